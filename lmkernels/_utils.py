@@ -1,0 +1,64 @@
+"""Helpers shared by the ops: input checks and the choice between Triton kernel and reference."""
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors run the reference, unless the interpreter is on."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim=None, min_ndim=None, shape=None) -> None:
+    """Raise TypeError/ValueError naming `name` when `t` is not a tensor of the expected kind."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_names(dtypes)}; got {str(t.dtype).removeprefix('torch.')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_same_device(**tensors) -> None:
+    """All given tensors (None entries skipped) must live on one device."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must share a device")
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}")
+
+
+def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """View `t` as [rows, last_dim] without copying; rows may be strided, the last dim must not be."""
+    check_unit_stride(name, t)
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows "
+            f"without a copy; pass a contiguous tensor"
+        ) from None
