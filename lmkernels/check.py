@@ -1,0 +1,104 @@
+"""`lmkernels check`: every op against its reference.py on the current device, fresh random inputs.
+
+On CUDA the Triton kernels run at real sizes; on CPU they run through the Triton interpreter (the CLI
+turns it on before any kernel module is imported) at small sizes, because the interpreter is slow.
+"""
+
+import time
+
+import torch
+
+from .ops import activation, norm, rope
+
+# Relative-error limits against the reference at the op's input dtype. Both sides compute in fp32 and
+# round once, so they differ by about one rounding of the output (bf16: 2^-9 relative).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _norm_cases(rows, dev, dt):
+    for n in (576, 2304, 5120, 7168):
+        x = torch.randn(rows, n, device=dev, dtype=dt) * 2 + 0.5
+        res = torch.randn_like(x)
+        w = torch.rand(n, device=dev) + 0.5
+        b = torch.randn(n, device=dev)
+        yield "rms_norm", x.shape, (lambda: norm.rms_norm(x, w, 1e-6)), (lambda: norm.reference.rms_norm(x, w, 1e-6))
+        yield ("rms_norm+residual", x.shape, (lambda: torch.cat(norm.rms_norm(x, w, 1e-6, res), -1)),
+               lambda: torch.cat(norm.reference.norm(x, res, w, None, 1e-6, "rms"), -1))
+        yield ("rms_norm(1+w)", x.shape, (lambda: norm.rms_norm(x, w, 1e-6, weight_offset=1.0)),
+               lambda: norm.reference.rms_norm(x, w, 1e-6, 1.0))
+        yield ("layer_norm+residual", x.shape, (lambda: torch.cat(norm.layer_norm(x, w, b, 1e-5, res), -1)),
+               lambda: torch.cat(norm.reference.norm(x, res, w, b, 1e-5, "layer"), -1))
+        for approx, form in (("tanh", "tanh"), ("none", "erf")):
+            yield (f"layer_norm_gelu({approx})", x.shape,
+                   (lambda: norm.layer_norm_gelu(x, w, b, approximate=approx)),
+                   lambda: norm.reference.layer_norm(x, w, b, 1e-5, form))
+
+
+def _activation_cases(rows, dev, dt):
+    for d in (2304, 14336):
+        x = torch.randn(rows, 2 * d, device=dev, dtype=dt) * 3
+        yield "silu_and_mul", x.shape, (lambda: activation.silu_and_mul(x)), (lambda: activation.reference.silu_and_mul(x))
+        for approx in ("tanh", "none"):
+            yield (f"gelu_and_mul({approx})", x.shape, (lambda: activation.gelu_and_mul(x, approx)),
+                   lambda: activation.reference.gelu_and_mul(x, approx))
+
+
+def _rope_cases(tokens, dev, dt):
+    cache = rope.build_cos_sin_cache(128, 65536, 500000.0, device=dev)
+    for heads, dim, rot, neox in ((32, 128, 128, True), (16, 64, 64, False), (8, 128, 64, True)):
+        q = torch.randn(tokens, heads, dim, device=dev, dtype=dt)
+        k = torch.randn(tokens, max(1, heads // 4), dim, device=dev, dtype=dt)
+        pos = torch.randint(0, 65536, (tokens,), device=dev)
+        c = cache[:, :rot] if rot == 128 else rope.build_cos_sin_cache(rot, 65536, 10000.0, device=dev)
+        name = f"apply_rotary({'neox' if neox else 'gptj'}, rot {rot})"
+
+        def ours(q=q, k=k, c=c, pos=pos, neox=neox):
+            q2, k2 = rope.apply_rotary(q.clone(), k.clone(), c, pos, is_neox=neox)
+            return torch.cat([q2.flatten(1), k2.flatten(1)], 1)
+
+        def ref(q=q, k=k, c=c, pos=pos, neox=neox):
+            q2, k2 = rope.reference.apply_rotary(q, k, c, pos, neox)
+            return torch.cat([q2.flatten(1), k2.flatten(1)], 1)
+
+        yield name, (tokens, heads, dim), ours, ref
+
+
+def cases(device):
+    """(op, shape, dtype, run ours, run reference) for every registered op."""
+    big = device.type == "cuda"
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for gen, rows in ((_norm_cases, (4093, 1) if big else (5, 1)),
+                          (_activation_cases, (8191, 1) if big else (3, 1)),
+                          (_rope_cases, (8191, 1) if big else (7, 1))):
+            for r in rows:
+                for name, shape, ours, ref in gen(r, device, dt):
+                    yield name, tuple(shape), dt, ours, ref
+
+
+def run(device=None) -> int:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    print(f"lmkernels check on {where}")
+    torch.manual_seed(int(time.time()))  # fresh inputs on every run
+    header = f"{'op':<28} {'shape':<18} {'dtype':<9} {'rel err':>9} {'limit':>7}  result"
+    print(header + "\n" + "-" * len(header))
+    failures = 0
+    for name, shape, dt, ours, ref in cases(device):
+        try:
+            err = rel_err(ours(), ref())
+            ok = err < TOL[dt]
+            err_txt = f"{err:9.2e}"
+        except Exception as e:  # report and keep going: one broken op must not hide the others
+            ok, err_txt = False, f"{type(e).__name__}: {e}"[:60]
+        failures += not ok
+        dtype = str(dt).removeprefix("torch.")
+        print(f"{name:<28} {str(shape):<18} {dtype:<9} {err_txt:>9} {TOL[dt]:7.0e}  {'pass' if ok else 'FAIL'}")
+    print(f"{failures} failure(s)" if failures else "all passed")
+    return 1 if failures else 0
