@@ -44,6 +44,11 @@ def configure_dynamo() -> None:
                         ("accumulated_cache_size_limit", 8192), ("accumulated_recompile_limit", 8192)):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), value))
+    import torch._inductor.config
+
+    # No pool of compile workers: they keep the host busy after a compile, which slowed the launches
+    # of whatever was timed next in a first run (up to 80% on the smallest norm shapes).
+    torch._inductor.config.compile_threads = 1
     _dynamo_ready = True
 
 

@@ -228,6 +228,11 @@ def footnotes(result: dict) -> list:
         for p in row.get("peers", []):
             if "missing" not in p and "wrong" in p:
                 lines.append(f"{row.get('op', '?')} {row.get('label', '?')}: {p['name']} excluded, {p['wrong']}")
+    eager = grouped(((impl["name"], impl["timing"]), row.get("op", "?")) for row in rows
+                    for impl in [row.get("ours", {}), *row.get("peers", [])]
+                    if str(impl.get("timing", "cuda_graph")).startswith("eager"))
+    lines += [f"{name} ({', '.join(ops)}): timed call by call, with host launch cost — {how}"
+              for (name, how), ops in eager.items()]
     if result.get("error"):
         lines.append(f"suite error: {result['error']}")
     return lines
@@ -319,7 +324,8 @@ def render_markdown(results: list, results_dir: str = "benchmarks/results") -> s
         "",
         "Figures are GB/s with bytes counted once per input read and output written (the same count for "
         "every implementation of a row, so GB/s ratios are inverse time ratios); timings are "
-        "`triton.testing.do_bench` medians with inputs rotated through sets larger than L2. "
+        "`triton.testing.do_bench` medians of CUDA-graph replays (GPU time, no Python launch cost; every "
+        "implementation alike) with inputs rotated through sets larger than L2. "
         f"Goal per row: ours ≥ {COPY_GOAL:.0%} of the device-to-device copy bandwidth measured in the same run, "
         f"and ≥ {PEER_GOAL:.1f}x the best of torch.compile and Liger Kernel (eager peers are shown for "
         "reference). \"n/a\": the peer could not run here (reason below the table); \"wrong\": its output "

@@ -179,10 +179,11 @@ def sweep_activation(shapes=ACT_SHAPES, acts=("silu", "gelu_tanh"), copy_gbps: f
 
             def launch(x, out, cfg):
                 block, warps = cfg
-                kernels._gated_kernel[(t, triton.cdiv(d, block))](
-                    x, out, d, x.stride(0), out.stride(0), ACT=code, BLOCK=block, num_warps=warps)
+                kernels._gated_kernel[(triton.cdiv(t * d, block),)](
+                    x, out, t * d, x.stride(0), D=d, ACT=code, BLOCK=block, EVEN=t * d % block == 0,
+                    num_warps=warps)
 
-            heur_cfg = tuple(kernels.launch_config(d, 2))
+            heur_cfg = (kernels.BLOCK, 8)
             entries, failed, heur = [], [], None
             for cfg in act_configs(d, heur_cfg):
                 try:

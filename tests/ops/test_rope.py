@@ -156,10 +156,11 @@ def test_empty():
 
 
 def test_launch_config():
-    """Hq = 32, Hk = 8, R = 128: a prefill gets 4096 pairs per program and full head blocks for q and k;
-    a decode batch of 32 gets one token per program, so 160 programs instead of 20."""
-    assert kernels.launch_config(8192, 32, 8, 64) == (8, 8, 64, 8)
-    assert kernels.launch_config(32, 32, 8, 64) == (1, 8, 64, 4)
+    """Programs hold about 1024 pairs, heads first; a small batch still gets many programs."""
+    assert kernels.launch_config(8192, 32, 8, 64) == (1, 16, 64, 4)
+    assert kernels.launch_config(8192, 4, 1, 64) == (4, 4, 64, 4)
+    block_t, block_h, _, _ = kernels.launch_config(256, 4, 1, 64)
+    assert block_t * block_h * 64 <= 1024 and 256 // block_t * 2 >= 264
 
 
 # --- caches vs transformers -------------------------------------------------------------------------------------

@@ -6,8 +6,7 @@ from ..._utils import FLOAT_DTYPES, as_rows, check_tensor, use_triton
 from . import reference
 
 
-@torch.library.custom_op("lmkernels::gated_activation", mutates_args=())
-def _gated_op(x: torch.Tensor, activation: str) -> torch.Tensor:
+def _run(x, activation):
     if not use_triton(x):
         if activation == "silu":
             return reference.silu_and_mul(x)
@@ -15,6 +14,17 @@ def _gated_op(x: torch.Tensor, activation: str) -> torch.Tensor:
     from . import kernels  # late, so TRITON_INTERPRET can still be set by the caller
 
     return kernels.gated(as_rows("x", x), activation).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("lmkernels::gated_activation", mutates_args=())
+def _gated_op(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return _run(x, activation)
+
+
+def _call(x, activation):
+    if torch.compiler.is_compiling():
+        return _gated_op(x, activation)
+    return _run(x, activation)  # eager: skip the dispatcher, ~50 µs of host time per call
 
 
 @_gated_op.register_fake
@@ -33,7 +43,7 @@ def _validate(x):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: x = [gate | up] (last dim 2·d) → silu(gate) · up (last dim d)."""
     _validate(x)
-    return _gated_op(x, "silu")
+    return _call(x, "silu")
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -41,4 +51,4 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     if approximate not in ("tanh", "none"):
         raise ValueError(f'approximate must be "tanh" or "none", got {approximate!r}')
     _validate(x)
-    return _gated_op(x, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
+    return _call(x, "gelu_tanh" if approximate == "tanh" else "gelu_erf")

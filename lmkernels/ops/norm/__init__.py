@@ -76,6 +76,8 @@ def _validate(x, residual, params, eps):
 
 
 def _call(x, residual, weight, bias, eps, kind, weight_offset=0.0, gelu="none"):
+    if not torch.compiler.is_compiling():  # eager: skip the dispatcher, ~50 µs of host time per call
+        return _run(x, residual, weight, bias, float(eps), kind, float(weight_offset), gelu)
     if residual is None:
         return _norm_op(x, weight, bias, float(eps), kind, float(weight_offset), gelu)
     return _add_norm_op(x, residual, weight, bias, float(eps), kind, float(weight_offset), gelu)

@@ -27,10 +27,7 @@ def _check_positions(positions, max_position):
         )
 
 
-@torch.library.custom_op("lmkernels::apply_rotary", mutates_args=("q", "k"))
-def _rotary_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor, is_neox: bool,
-) -> None:
+def _rotate(q, k, cos_sin_cache, positions, is_neox):
     # Here rather than in apply_rotary: it reads the values, which torch.compile cannot do while tracing.
     if positions.device.type == "cpu":
         _check_positions(positions, cos_sin_cache.shape[0])
@@ -43,6 +40,13 @@ def _rotary_op(
     from . import kernels  # late, so TRITON_INTERPRET can still be set by the caller
 
     kernels.apply_rotary(q, k, cos_sin_cache, positions, is_neox)
+
+
+@torch.library.custom_op("lmkernels::apply_rotary", mutates_args=("q", "k"))
+def _rotary_op(
+    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor, is_neox: bool,
+) -> None:
+    _rotate(q, k, cos_sin_cache, positions, is_neox)
 
 
 @_rotary_op.register_fake
@@ -89,5 +93,8 @@ def apply_rotary(
     a host sync, so there keeping them in range is the caller's job.
     """
     _validate(q, k, cos_sin_cache, positions)
-    _rotary_op(q, k, cos_sin_cache, positions, bool(is_neox))
+    if torch.compiler.is_compiling():
+        _rotary_op(q, k, cos_sin_cache, positions, bool(is_neox))
+    else:  # eager: skip the dispatcher, ~50 µs of host time per call
+        _rotate(q, k, cos_sin_cache, positions, bool(is_neox))
     return q, k

@@ -3,8 +3,8 @@
 A program owns BLOCK_T tokens × BLOCK_H heads of either q or k (the head blocks of q come first, then
 those of k). It loads the cos/sin rows of its tokens once and uses them for all its heads, then reads
 and writes each rotary element exactly once; the non-rotary tail of a head is never touched. With
-~4096 pairs per program (16 KB of bf16 read and 16 KB written) and thousands of programs for a prefill,
-every SM has enough bytes in flight to stream at HBM bandwidth. Token and head strides are free, so q
+~1024 pairs per program and tens of thousands of programs for a prefill, every SM keeps enough
+bytes in flight to stream at HBM bandwidth. Token and head strides are free, so q
 and k may be views into one fused qkv tensor.
 """
 
@@ -70,21 +70,19 @@ def _rotary_kernel(
 
 
 def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, half: int):
-    """(BLOCK_T, BLOCK_H, BLOCK_HALF, num_warps) for about 4096 rotated pairs per program.
+    """(BLOCK_T, BLOCK_H, BLOCK_HALF, num_warps) for about 1024 rotated pairs per program, 4 warps.
 
-    BLOCK_H follows the smaller head count (k's, under GQA) so that neither q's nor k's head blocks run
-    half empty; at most 1024 pairs per token, then tokens fill the program. Small (decode) batches take
-    fewer tokens per program, so that the grid still spreads over the ~132 SMs of an H100 twice.
+    Swept on an H100 at 8192 tokens × (32 + 8) heads × 128 (benchmarks/NOTES.md): one token × 16 heads
+    per program streams 8% faster than 8 tokens × 8 heads, so heads fill a program before tokens do.
+    Small (decode) batches take fewer tokens per program, so the grid still spreads over the SMs.
     """
     block_half = triton.next_power_of_2(half)
-    heads = min(n_q_heads, n_k_heads) if n_k_heads else n_q_heads
-    block_h = min(triton.next_power_of_2(heads), max(1, 1024 // block_half))
-    block_t = min(triton.next_power_of_2(n_tokens), max(1, 4096 // (block_h * block_half)))
+    block_h = min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), max(1, 1024 // block_half))
+    block_t = min(triton.next_power_of_2(n_tokens), max(1, 1024 // (block_h * block_half)))
     head_blocks = triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h)
     while block_t > 1 and triton.cdiv(n_tokens, block_t) * head_blocks < 264:
         block_t //= 2
-    num_warps = max(4, min(8, block_t * block_h * block_half // 512))  # up to 16 pairs per thread
-    return block_t, block_h, block_half, num_warps
+    return block_t, block_h, block_half, 4
 
 
 def apply_rotary(q, k, cos_sin_cache, positions, is_neox):
