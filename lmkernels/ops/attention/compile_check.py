@@ -1,0 +1,135 @@
+"""Compile the attention kernels for Hopper (sm_90) on a machine without a GPU, and report what ptxas made of
+them: `python -m lmkernels.ops.attention.compile_check [prefill|paged|decode|other|all]`.
+
+A development aid for the launch heuristics, not a test: it catches GPU-only compile errors (things the
+interpreter accepts, such as non-constexpr globals) and prints per configuration the registers, stack bytes
+(spills), shared memory, and the instructions that matter — wgmma (Hopper tensor cores), mma.sync
+(Ampere-style), cp.async (pipelined pointer loads) and cp.async.bulk.tensor (TMA). Pointers and the strides
+named stride_* (except those listed in NOT_ALIGNED) are declared 16-divisible, as triton's launcher does for
+typical shapes; without that, loads do not vectorise and the pipeliner does nothing. Uses triton internals
+(ASTSource, GPUTarget, the bundled cuobjdump) as of triton 3.6.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import kernels as K
+
+TARGET = GPUTarget("cuda", 90, 32)
+NOT_ALIGNED = {"stride_lh", "stride_lt", "stride_lb", "stride_ls", "stride_plb", "stride_plt", "stride_plh",
+               "stride_pls", "stride_lan", "stride_lah", "stride_lbn", "stride_lbh", "stride_bt", "stride_kscale",
+               "stride_vscale"}
+
+
+def compile_kernel(fn, types, constexprs, num_warps, num_stages):
+    """Compile `fn` for sm_90; `types` maps argument names to triton types (default i32)."""
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs and (sig[n].startswith("*") or (n.startswith("stride_") and n not in NOT_ALIGNED))}
+    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
+                smem_kb=k.metadata.shared // 1024,
+                wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), cp_async=ptx.count("cp.async.cg"),
+                tma=ptx.count("cp.async.bulk.tensor"))
+
+
+def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, causal=True, max_seqlen_q=4096):
+    """cache: None (packed k/v) or the paged cache's type ("bf16", "fp8e4nv")."""
+    cfg = dict(cfg or K.prefill_config(dqk, dv, max_seqlen_q))
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("TMA", None)
+    kv = "*" + (cache or dtype)
+    types = dict(q_ptr="*" + dtype, k_ptr=kv, v_ptr=kv, o_ptr="*" + dtype, lse_ptr="*fp32", cu_q_ptr="*i32",
+                 cu_k_ptr="*i32", bt_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32", cap_in="fp32",
+                 cap_out="fp32")
+    ce = dict(VARLEN=True, PAGED=cache is not None, FP8=cache == "fp8e4nv", TMA=tma and cache is None,
+              HAS_LEFT=False, HAS_RIGHT=causal, SOFTCAP=False, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv,
+              BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=False, **cfg)
+    return compile_kernel(K._prefill_kernel, types, ce, nw, ns)
+
+
+def decode(d=128, rows=4, cache="bf16", split=True, cfg=None):
+    cfg = dict(cfg or K.decode_config(d, d, rows))
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    types = dict(q_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, bt_ptr="*i32", len_ptr="*i32",
+                 o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32",
+                 qk_scale="fp32", cap_in="fp32", cap_out="fp32")
+    ce = dict(NUM_SPLITS=8 if split else 1, HAS_LEFT=False, SOFTCAP=False, FP8=cache == "fp8e4nv", STORE_LSE=True,
+              HEAD_DQK=d, HEAD_DV=d, BLOCK_DQK=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
+              INTERPRET=False, **cfg)
+    return compile_kernel(K._decode_kernel, types, ce, nw, ns)
+
+
+def other():
+    out = {}
+    types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
+    out["decode merge, 32 splits, d128"] = compile_kernel(
+        K._decode_merge_kernel, types, dict(NUM_SPLITS=32, HAS_LEFT=False, STORE_LSE=True, HEAD_DV=128, BLOCK_S=32,
+                                            BLOCK_DV=128, BLOCK_N=64), 4, 1)
+    for cache in ("bf16", "fp8e4nv"):
+        types = dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, slot_ptr="*i64",
+                     ks_ptr="*fp32", vs_ptr="*fp32")
+        out[f"write_kv_cache {cache}, 8 heads d128"] = compile_kernel(
+            K._write_kv_kernel, types, dict(HEAD_DK=128, HEAD_DV=128, BLOCK_H=8, BLOCK_DK=128, BLOCK_DV=128,
+                                            FP8=cache != "bf16"), **_warps(K.write_kv_config(8, 128, 128)))
+    rows, block_d, nw = K.merge_config(128)
+    types = dict(oa_ptr="*bf16", la_ptr="*fp32", ob_ptr="*bf16", lb_ptr="*fp32", o_ptr="*bf16", l_ptr="*fp32")
+    out["merge_attention_states d128"] = compile_kernel(K._merge_kernel, types,
+                                                        dict(HEAD_D=128, ROWS=rows, BLOCK_D=block_d), nw, 1)
+    return out
+
+
+def _warps(cfg):
+    return dict(num_warps=cfg["num_warps"], num_stages=1)
+
+
+def _show(name, r):
+    print(f"{name:<52} regs {r['regs']:>3} stack {r['stack']:>3}B smem {r['smem_kb']:>3}KB  wgmma {r['wgmma']:>3} "
+          f"mma {r['mma']:>3} cp.async {r['cp_async']:>3} tma {r['tma']:>3}", flush=True)
+
+
+def main(argv=None):
+    which = (argv or sys.argv[1:] or ["all"])[0]
+    if which in ("prefill", "all"):
+        for dqk, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)):
+            for m in (4096, 32):
+                for tma in (False, True):
+                    cfg = K.prefill_config(dqk, dv, m)
+                    _show(f"prefill d{dqk}/{dv} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} "
+                          f"s{cfg['num_stages']} {'tma' if tma else 'ptr'}", prefill(dqk, dv, tma=tma, max_seqlen_q=m))
+    if which in ("paged", "all"):
+        for cache in ("bf16", "fp8e4nv"):
+            for d in (64, 128, 256):
+                _show(f"paged prefill d{d} cache {cache}", prefill(d, d, cache=cache))
+    if which in ("decode", "all"):
+        for cache in ("bf16", "fp8e4nv"):
+            for d, rows in ((64, 8), (128, 4), (128, 32), (256, 4)):
+                for split in (True, False):
+                    cfg = K.decode_config(d, d, rows)
+                    _show(f"decode d{d} rows {rows} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} s{cfg['num_stages']} {cache} "
+                          f"{'split' if split else 'whole'}", decode(d, rows, cache, split))
+    if which in ("other", "all"):
+        for name, r in other().items():
+            _show(name, r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

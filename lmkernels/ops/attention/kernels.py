@@ -1,0 +1,829 @@
+"""Triton kernels for attention: prefill (FlashAttention-2), paged decode (FlashDecoding), KV-cache writes, merges.
+
+Prefill: a program owns BLOCK_M queries of one query head of one sequence (grid: query blocks × query
+heads × batch, the longest causal blocks first). It streams the keys of its kv head in BLOCK_N tiles
+with the online softmax in base 2 (scores pre-multiplied by scale·log2 e, fp32 accumulators), and visits
+only the key tiles its rows may see: tiles above the causal diagonal, right of the right window edge or
+left of the left window edge are never loaded. Of the visited tiles, only those that cut the diagonal,
+a window edge or the sequence end are masked; the others run a mask-free loop. Tiles come through
+per-sequence TMA tensor descriptors (PREFILL_TMA) or pointer tiles (cp.async); the paged variant
+(append prefill) gathers its keys through the block table.
+
+Decode: a program owns one kv head of one sequence and one split of its key range. Its M dimension is
+all query heads of the kv-head group times the new tokens (q_per_seq), padded to ≥ 16 rows, so each
+KV page is read once per group. Pages are gathered through the block table one key tile at a time.
+With several splits each program writes an fp32 partial (o, lse) and a second small kernel merges them.
+Split boundaries are fixed-size chunks (from the caller's bound on the context) of the sequence's length
+read on the device, so the launch depends only on (batch, kv heads, num_splits): CUDA graphs can capture
+it. Programs whose split starts past the end of their sequence return at once; the merge kernel knows
+from the same length how many splits are real.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._utils import interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+FP8_MAX = tl.constexpr(448.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared device helpers
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 − 2 / (e^{2x} + 1): exact limits ±1 at ±inf, absolute error ~1e-7 near 0."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _scores(qk, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Raw q·k (fp32) → scores in log2 units: scale·qk·log2 e, or softcap·tanh(scale·qk / softcap)·log2 e."""
+    if SOFTCAP:
+        return _tanh(qk * cap_in) * cap_out
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Round fp32 (|x| ≤ 448) to the nearest-even float8 e4m3 value, so the cast after it is exact.
+
+    The GPU's conversion rounds correctly by itself; the Triton interpreter's does not (a value that
+    rounds up to the next power of two comes out halved), and this costs a few integer ops per element
+    in a memory-bound kernel. Normal range: round the fp32 mantissa to 3 bits (the carry runs into the
+    exponent); below 2^-6 (e4m3 subnormals, step 2^-9): the 1.5·2^23 round-to-integer trick.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+# ---------------------------------------------------------------------------------------------------
+# prefill
+
+
+@triton.jit
+def _load_kv(ptrs, mask, HAS_MASK: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
+    """A K or V tile in the compute dtype; masked lanes are 0 (never NaN from unwritten cache slots)."""
+    if FP8:
+        if HAS_MASK:  # fp8 loads take no `other` in the interpreter: zero the masked lanes after the cast
+            return tl.where(mask, tl.load(ptrs, mask=mask).to(dtype), 0.0).to(dtype)
+        else:
+            return tl.load(ptrs).to(dtype)
+    else:
+        if HAS_MASK:
+            return tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _prefill_tile(
+    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
+    page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    PAGED: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One key tile [n0, n0 + BLOCK_N) of the online softmax; MASK: the tile cuts a boundary.
+
+    TMA: K/V come through per-sequence tensor descriptors, which zero-fill rows past k_len and columns
+    past the head dim, so no load needs a mask."""
+    kn = n0 + offs_n
+    in_seq = kn < k_len
+    if TMA:
+        k_rows = kn
+        v_rows = kn
+    elif PAGED:  # key j lives in page bt_row[j // page_size], row j % page_size
+        if MASK:
+            page = tl.load(bt_row + kn // page_size, mask=in_seq, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + kn // page_size).to(tl.int64)
+        k_rows = page * stride_kp + (kn % page_size) * stride_kt
+        v_rows = page * stride_vp + (kn % page_size) * stride_vt
+    else:
+        k_rows = kn * stride_kt
+        v_rows = kn * stride_vt
+    dqk_ok = offs_dqk < HEAD_DQK
+    dv_ok = offs_dv < HEAD_DV
+    if TMA:
+        k = k_desc.load([n0, 0])
+    else:
+        k = _load_kv(k_base + k_rows[:, None] + offs_dqk[None, :], in_seq[:, None] & dqk_ok[None, :],
+                     MASK or HEAD_DQK != BLOCK_DQK, FP8, q.dtype)
+    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_in, cap_out, SOFTCAP)
+    if MASK:
+        ok = in_seq[None, :]
+        if HAS_RIGHT:
+            ok = ok & (kn[None, :] <= pos[:, None] + right)
+        if HAS_LEFT:
+            ok = ok & (kn[None, :] >= pos[:, None] - left)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK:  # a row may have seen no key yet: keep exp2 away from (−inf) − (−inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if TMA:
+        v = v_desc.load([n0, 0])
+    else:
+        v = _load_kv(v_base + v_rows[:, None] + offs_dv[None, :], in_seq[:, None] & dv_ok[None, :],
+                     MASK or HEAD_DV != BLOCK_DV, FP8, q.dtype)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_span(
+    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
+    page_size, start, stop, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    PAGED: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Key tiles start, start + BLOCK_N, … < stop. On the GPU a `for` loop (software-pipelined); under the
+    interpreter the same tiles in a `while` loop, because with numpy ≥ 2.4 the interpreter cannot turn its
+    scalar tensors into range() bounds."""
+    if INTERPRET:
+        n0 = start
+        while n0 < stop:
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+                stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
+                offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, stop, BLOCK_N):
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+                stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
+                offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, ks_ptr, vs_ptr,
+    seqlen_q, seqlen_k,  # dense layout only
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_lt,
+    stride_kp, stride_vp, stride_bt, page_size, stride_kscale, stride_vscale,  # paged only
+    group, qk_scale, cap_in, cap_out, left, right,
+    VARLEN: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Keys: packed (VARLEN, cu_k_ptr = offsets), dense, or paged (PAGED: cu_k_ptr = seq_lens, k/v = caches
+    [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride)."""
+    # Heaviest causal blocks (the last queries) first, so the short ones fill the tail of the grid.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    k_start = tl.full([], 0, tl.int32)
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + batch)
+        q_len = tl.load(cu_q_ptr + batch + 1) - q_start
+        if PAGED:
+            k_len = tl.load(cu_k_ptr + batch)
+        else:
+            k_start = tl.load(cu_k_ptr + batch)
+            k_len = tl.load(cu_k_ptr + batch + 1) - k_start
+    else:
+        q_start = tl.full([], 0, tl.int32)
+        q_len = seqlen_q
+        k_len = seqlen_k
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    kv_head = head // group
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qt + head * stride_qh
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    bt_row = bt_ptr
+    if PAGED:
+        bt_row = bt_ptr + batch.to(tl.int64) * stride_bt
+    if FP8:  # the cache holds x / scale: fold k's scale into the scores, v's into the output
+        k_sc = tl.load(ks_ptr + kv_head * stride_kscale)
+        qk_scale = qk_scale * k_sc
+        cap_in = cap_in * k_sc
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < q_len
+    if TMA:  # descriptors over this sequence and head: [len, head dim], rows/columns beyond read as 0
+        q = tl.make_tensor_descriptor(q_base, [q_len, HEAD_DQK], [stride_qt, 1], [BLOCK_M, BLOCK_DQK]).load([m0, 0])
+        rows = tl.maximum(k_len, 1)  # no zero-sized descriptor; with no keys no tile is loaded anyway
+        k_desc = tl.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, BLOCK_DQK])
+        v_desc = tl.make_tensor_descriptor(v_base, [rows, HEAD_DV], [stride_vt, 1], [BLOCK_N, BLOCK_DV])
+    else:
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dqk[None, :],
+                    mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+        k_desc = k_base
+        v_desc = v_base
+
+    # Query i sits at key position i + (k_len − q_len). Key range of the block and its mask-free middle.
+    shift = k_len - q_len
+    first = m0 + shift
+    last = tl.minimum(m0 + BLOCK_M, q_len) - 1 + shift
+    pos = offs_m + shift
+    if HAS_RIGHT:
+        hi = tl.minimum(k_len, last + right + 1)
+        full_hi = tl.maximum(tl.minimum(k_len, first + right + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = k_len
+        full_hi = k_len // BLOCK_N * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(first - left, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last - left, 0), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        full_lo = 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # left window edge (masked) | mask-free middle | diagonal, right edge and sequence end (masked)
+    acc, l_i, m_i = _prefill_span(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
+        page_size, lo, tl.minimum(full_lo, hi), pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
+        offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        INTERPRET)
+    acc, l_i, m_i = _prefill_span(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
+        page_size, full_lo, full_hi, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+        False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        INTERPRET)
+    acc, l_i, m_i = _prefill_span(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
+        page_size, tl.maximum(full_lo, full_hi), hi, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n,
+        offs_dqk, offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_N, INTERPRET)
+
+    empty = l_i == 0.0  # no key allowed: o = 0, lse = −inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    if FP8:
+        out = acc * (tl.load(vs_ptr + kv_head * stride_vscale) / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
+    o_base = o_ptr + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_ot + head * stride_oh
+    if TMA:  # the descriptor clips rows past q_len and columns past the head dim
+        o_desc = tl.make_tensor_descriptor(o_base, [q_len, HEAD_DV], [stride_ot, 1], [BLOCK_M, BLOCK_DV])
+        o_desc.store([m0, 0], out.to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        l_base = lse_ptr + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start.to(tl.int64) * stride_lt
+        tl.store(l_base + offs_m * stride_lt, lse, mask=row_ok)
+
+
+def prefill_config(head_dqk: int, head_dv: int, max_seqlen_q: int):
+    """Launch parameters of the prefill kernel (the single place they are chosen).
+
+    Hopper, FA2 style: 128 queries × 64–128 keys per tile, 8 warps (two warpgroups of 64 rows for wgmma),
+    2–3 stage software pipeline (triton 3.6 for sm_90, checked with ptxas: 182–230 registers, no spills,
+    112–128 KB shared memory at dims 64–128). Wide heads (256, and 192/128) keep two stages: three would
+    need 256 KB of shared memory (with two: 255 registers, no spills, 192 KB). Short query runs
+    (chunked-prefill tails, ≤ 64 tokens) take 64-row blocks and 4 warps so fewer rows idle. The TMA path
+    needs fewer registers (143 at dim 128), which may leave room for larger tiles: gpu_selftest --sweep.
+    """
+    width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
+    if width >= 256:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    elif width == 128:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    if max_seqlen_q <= 64:
+        cfg.update(BLOCK_M=64, num_warps=4)
+        if width >= 256:  # 64 × 64 tiles at dim 256 spill (48 bytes of stack) on the pointer path
+            cfg.update(BLOCK_N=32)
+    return cfg
+
+
+# Load q/k/v and store o of the (non-paged) prefill through per-sequence TMA tensor descriptors (Hopper's
+# bulk tensor copy engine) instead of pointer tiles with cp.async. None: wherever the tensors allow it
+# (16-byte aligned base and strides). Both paths pass the same tests; which is faster is measured by
+# gpu_selftest (rows "ours" and "ours-tma"/"ours-ptr").
+PREFILL_TMA = None
+
+
+def _tma_ok(tensors, strides):
+    """Device-side descriptors need 16-byte aligned bases and row/head/batch strides."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(
+        (st * t.element_size()) % 16 == 0 for t, sts in zip(tensors, strides) for st in sts)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch: give triton a torch-backed allocator unless the
+    application installed its own. Triton keeps it in a ContextVar (per thread), so this runs every launch."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except Exception:  # internals moved: install ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
+def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale, seqlen_q, seqlen_k, max_seqlen_q,
+                    batch, strides, paged_strides, scale, causal, window, softcap, config):
+    """strides: (q, k, v, o, lse) × (batch, token, head); paged_strides: (page k, page v, table row, page size)."""
+    hq, dqk, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    hk = k.shape[-2]
+    return_lse = lse.numel() > 0
+    if batch == 0 or max_seqlen_q == 0 or hq == 0 or o.numel() == 0:
+        lse.fill_(float("-inf"))
+        return o.zero_(), lse
+    cfg = dict(config or prefill_config(dqk, dv, max_seqlen_q))
+    tma = cfg.pop("TMA", PREFILL_TMA)
+    if tma is None or tma:
+        tma = block_tables is None and _tma_ok((q, k, v, o), (strides[0:3], strides[3:6], strides[6:9], strides[9:12]))
+    if tma and q.is_cuda:
+        _ensure_allocator()
+    left, right = window
+    if causal:
+        right = 0
+    fp8 = k_scale is not None
+    qk_scale = scale * LOG2E
+    cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0 else (0.0, 0.0)
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), hq, batch)
+    _prefill_kernel[grid](
+        q, k, v, o, lse if return_lse else None, cu_q, cu_k, block_tables, k_scale, v_scale, seqlen_q, seqlen_k,
+        *strides, *paged_strides,
+        (k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
+        (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0,
+        hq // hk, qk_scale, cap_in, cap_out, max(left, 0), max(right, 0),
+        VARLEN=cu_q is not None, PAGED=block_tables is not None, FP8=fp8, TMA=tma, HAS_LEFT=left >= 0,
+        HAS_RIGHT=right >= 0,
+        SOFTCAP=softcap > 0, STORE_LSE=return_lse, HEAD_DQK=dqk, HEAD_DV=dv,
+        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=interpreting(), **cfg,
+    )
+    return o, lse
+
+
+def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, window, softcap, return_lse,
+            config=None):
+    """Varlen (q [Tq, Hq, Dqk] with cu_seqlens) or dense (q [B, Sq, Hq, Dqk]) → (o, lse); see attention_prefill."""
+    dev = q.device
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        n_q, hq, _ = q.shape
+        o = torch.empty(n_q, hq, v.shape[2], dtype=q.dtype, device=dev)
+        lse = torch.empty((hq, n_q) if return_lse else (0,), dtype=torch.float32, device=dev)
+        strides = (0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2], 0, *o.stride()[:2],
+                   0, *(lse.stride() if return_lse else (0, 0)))
+        seqlen_q = seqlen_k = 0
+    else:
+        batch, seqlen_q, hq, _ = q.shape
+        seqlen_k = k.shape[1]
+        max_seqlen_q = seqlen_q
+        o = torch.empty(batch, seqlen_q, hq, v.shape[3], dtype=q.dtype, device=dev)
+        lse = torch.empty((batch, hq, seqlen_q) if return_lse else (0,), dtype=torch.float32, device=dev)
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                   *(lse.stride() if return_lse else (0, 0, 0)))
+    return _launch_prefill(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, None, None, None, seqlen_q, seqlen_k,
+                           max_seqlen_q, batch, strides, (0, 0, 0, 1), scale, causal, window, softcap, config)
+
+
+def prefill_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale, causal, window,
+                  softcap, k_scale, v_scale, return_lse, config=None):
+    """q [Tq, Hq, Dqk] packed new tokens; keys: the first seq_lens[b] tokens of the paged caches."""
+    dev = q.device
+    batch = cu_seqlens_q.shape[0] - 1
+    n_q, hq, _ = q.shape
+    o = torch.empty(n_q, hq, v_cache.shape[3], dtype=q.dtype, device=dev)
+    lse = torch.empty((hq, n_q) if return_lse else (0,), dtype=torch.float32, device=dev)
+    # a cache row plays the token stride; the page stride and the table come as the paged strides
+    strides = (0, *q.stride()[:2], 0, k_cache.stride(1), k_cache.stride(2), 0, v_cache.stride(1), v_cache.stride(2),
+               0, *o.stride()[:2], 0, *(lse.stride() if return_lse else (0, 0)))
+    paged = (k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), k_cache.shape[1])
+    return _launch_prefill(q, k_cache, v_cache, o, lse, cu_seqlens_q, seq_lens, block_tables, k_scale, v_scale, 0, 0,
+                           max_seqlen_q, batch, strides, paged, scale, causal, window, softcap, config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged KV-cache write
+
+
+@triton.jit
+def _write_rows(x_ptr, cache_ptr, scale_ptr, token, page, row, stride_xt, stride_xh, stride_cp, stride_cs,
+                stride_ch, n_heads, stride_scale,
+                HEAD_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < n_heads)[:, None] & (d < HEAD_D)[None, :]
+    x = tl.load(x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
+    if FP8:
+        s = tl.load(scale_ptr + h * stride_scale, mask=h < n_heads, other=1.0)
+        x = x.to(tl.float32) / s[:, None]
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    dst = cache_ptr + page * stride_cp + row * stride_cs + h[:, None] * stride_ch + d[None, :]
+    tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    n_heads, page_size, stride_ks, stride_vs,
+    HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    page = slot // page_size
+    row = slot % page_size
+    _write_rows(k_ptr, kc_ptr, ks_ptr, token, page, row, stride_kt, stride_kh, stride_kcp, stride_kcs, stride_kch,
+                n_heads, stride_ks, HEAD_DK, BLOCK_H, BLOCK_DK, FP8)
+    _write_rows(v_ptr, vc_ptr, vs_ptr, token, page, row, stride_vt, stride_vh, stride_vcp, stride_vcs, stride_vch,
+                n_heads, stride_vs, HEAD_DV, BLOCK_H, BLOCK_DV, FP8)
+
+
+def write_kv_config(n_heads: int, dk: int, dv: int):
+    """One token per program (its k and v rows, all heads); warps for ~8 elements per thread."""
+    elems = triton.next_power_of_2(n_heads) * triton.next_power_of_2(max(dk, dv))
+    return dict(num_warps=max(1, min(8, elems // 256)))
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    n_tokens, n_heads, dk = k.shape
+    dv = v.shape[2]
+    if n_tokens == 0:
+        return
+    fp8 = k_scale is not None
+    _write_kv_kernel[(n_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        n_heads, k_cache.shape[1],
+        (k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
+        (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0,
+        HEAD_DK=dk, HEAD_DV=dv, BLOCK_H=triton.next_power_of_2(n_heads),
+        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=triton.next_power_of_2(dv), FP8=fp8,
+        **write_kv_config(n_heads, dk, dv),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged decode
+
+
+@triton.jit
+def _split_range(seq_len, n_new, left, split, chunk_min, NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Keys [start, end) of split `split`, and how many splits are non-empty, from the length alone.
+
+    The range is the keys any of the sequence's new tokens can see (from the first new token's left
+    window edge, tile-aligned, to the end), cut into chunks of chunk_min keys (the same for every sequence,
+    from the caller's bound on the context: a long sequence gets many splits, a short one few), or
+    longer where NUM_SPLITS chunks of chunk_min would not cover the range (a bound that was too low
+    costs balance, never keys).
+    """
+    lo = 0
+    if HAS_LEFT:
+        lo = tl.maximum(seq_len - n_new - left, 0) // BLOCK_N * BLOCK_N
+    span = tl.maximum(seq_len - lo, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N, chunk_min)
+    n_valid = tl.where(span > 0, tl.cdiv(span, tl.maximum(chunk, 1)), 0)
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    return start, end, n_valid
+
+
+@triton.jit
+def _decode_tile(
+    acc, l_i, m_i, q, k_head, v_head, bt_row, n0, end, pos, left, page_size, stride_kp, stride_ks, stride_vp,
+    stride_vs, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+    HAS_LEFT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
+):
+    """Keys [n0, n0 + BLOCK_N) ∩ [.., end), gathered page by page through the block table."""
+    kn = n0 + offs_n
+    valid = kn < end
+    page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
+    slot = kn % page_size
+    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_dqk[None, :]
+    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :]
+    k_mask = valid[:, None] & (offs_dqk < HEAD_DQK)[None, :]
+    v_mask = valid[:, None] & (offs_dv < HEAD_DV)[None, :]
+    if FP8:  # fp8 loads take no `other` (interpreter); zero the masked lanes after the cast
+        k = tl.where(k_mask, tl.load(k_ptrs, mask=k_mask).to(q.dtype), 0.0).to(q.dtype)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_in, cap_out, SOFTCAP)
+    ok = valid[None, :] & (kn[None, :] <= pos[:, None])
+    if HAS_LEFT:
+        ok = ok & (kn[None, :] >= pos[:, None] - left)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        v = tl.where(v_mask, tl.load(v_ptrs, mask=v_mask).to(q.dtype), 0.0).to(q.dtype)
+    else:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, ks_ptr, vs_ptr,
+    stride_qb, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
+    n_new, group, page_size, qk_scale, cap_in, cap_out, left, chunk_min, stride_kscale, stride_vscale,
+    NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+    STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """o_ptr/lse_ptr: the final output (NUM_SPLITS == 1) or the fp32 partials [.., split, ..]."""
+    batch = tl.program_id(0)
+    n_mblocks = tl.cdiv(n_new * group, BLOCK_M)
+    kv_head = tl.program_id(1) // n_mblocks
+    m_block = tl.program_id(1) % n_mblocks
+    split = tl.program_id(2)
+    seq_len = tl.load(len_ptr + batch)
+    start, end, n_valid = _split_range(seq_len, n_new, left, split, chunk_min, NUM_SPLITS, HAS_LEFT, BLOCK_N)
+    if NUM_SPLITS > 1:
+        if split >= n_valid:  # the merge kernel skips these splits
+            return
+
+    # Row r of the tile: new token r // group, query head kv_head·group + r % group.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // group
+    head = kv_head * group + rows % group
+    row_ok = rows < n_new * group
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + batch.to(tl.int64) * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_dqk[None, :], mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+    pos = seq_len - n_new + tok  # causal among the new tokens
+
+    if FP8:
+        k_sc = tl.load(ks_ptr + kv_head * stride_kscale)
+        v_sc = tl.load(vs_ptr + kv_head * stride_vscale)
+        qk_scale = qk_scale * k_sc
+        cap_in = cap_in * k_sc
+    bt_row = bt_ptr + batch.to(tl.int64) * stride_bt
+    k_head = kc_ptr + kv_head * stride_kh
+    v_head = vc_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if INTERPRET:  # see _prefill_span: the interpreter cannot take tensor range() bounds
+        n0 = start
+        while n0 < end:
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, k_head, v_head, bt_row, n0, end, pos, left, page_size, stride_kp, stride_ks,
+                stride_vp, stride_vs, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+                HAS_LEFT, SOFTCAP, FP8, HEAD_DQK, HEAD_DV)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, k_head, v_head, bt_row, n0, end, pos, left, page_size, stride_kp, stride_ks,
+                stride_vp, stride_vs, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+                HAS_LEFT, SOFTCAP, FP8, HEAD_DQK, HEAD_DV)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    if FP8:
+        out = acc * (v_sc / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_ptrs = (o_ptr + batch.to(tl.int64) * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
+              + split * stride_os + offs_dv[None, :])
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+    if STORE_LSE:
+        l_ptrs = lse_ptr + batch.to(tl.int64) * stride_lb + tok * stride_lt + head * stride_lh + split * stride_ls
+        tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, len_ptr, o_ptr, lse_ptr,
+    stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+    n_new, n_heads, left, chunk_min,
+    NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One (sequence, new token, query head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits."""
+    batch = tl.program_id(0)
+    tok = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    seq_len = tl.load(len_ptr + batch)
+    _, _, n_valid = _split_range(seq_len, n_new, left, 0, chunk_min, NUM_SPLITS, HAS_LEFT, BLOCK_N)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_DV)
+    s_ok = s < n_valid
+    part = batch.to(tl.int64) * stride_pb + tok * stride_pt + head * stride_ph
+    lse_s = tl.load(part_lse_ptr + batch.to(tl.int64) * stride_plb + tok * stride_plt + head * stride_plh
+                    + s * stride_pls, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    o_s = tl.load(part_o_ptr + part + s[:, None] * stride_ps + d[None, :],
+                  mask=s_ok[:, None] & (d < HEAD_DV)[None, :], other=0.0)
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    base = batch.to(tl.int64) * stride_ob + tok * stride_ot + head * stride_oh
+    tl.store(o_ptr + base + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DV)
+    if STORE_LSE:
+        lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+        tl.store(lse_ptr + batch.to(tl.int64) * stride_lb + tok * stride_lt + head * stride_lh, lse)
+
+
+_SM_COUNT = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (cached); the interpreter pretends to have 8."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, partial write, merge) dominate
+MIN_CHUNK = 512  # keys per split when splitting only to spread one long sequence
+MAX_SPLITS = 64
+
+
+def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_context: int, num_sms: int) -> int:
+    """Splits of the key range: the larger of two needs, each program keeping ≥ 256 keys.
+
+    fill: a batch of equal sequences gives ~2 programs per SM (B=1 at 8k with 8 kv heads: 32 splits of 256).
+    long: the longest possible sequence alone gives ~2 programs per SM with ≥ 512-key chunks, so a
+    skewed batch (one 32k sequence among short ones) does not wait on a few programs walking the long
+    one (chunks are fixed by max_context, so the short sequences use one split, their other programs exit).
+    Depends only on shapes and the caller's bound on the context, never on the lengths (CUDA graphs).
+    """
+    programs = max(1, batch * kv_heads * m_blocks)
+    fill = triton.cdiv(2 * num_sms, programs)
+    chunk_long = max(MIN_CHUNK, triton.cdiv(max_context * kv_heads * m_blocks, 2 * num_sms))
+    long = triton.cdiv(max_context, chunk_long)
+    fit = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(max(fill, long), fit, MAX_SPLITS))
+
+
+def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
+    """Keys per split for every sequence (0 with one split): max_context cut into num_splits tiles-aligned chunks."""
+    if num_splits <= 1:
+        return 0
+    return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+
+
+def decode_config(head_dqk: int, head_dv: int, rows: int):
+    """Launch parameters of the decode kernel. Memory-bound: 64-key tiles (32 at head dim 256), 5 stages.
+
+    The pipeliner schedules the block-table load a stage ahead of the K/V tiles it addresses, so the
+    K/V tiles get (num_stages − 1) // 2 shared-memory buffers: 5 stages keep two tiles (64 KB) in flight
+    per program (triton 3.6 for sm_90: 72 KB shared memory, ~170 registers, no spills). BLOCK_M holds the
+    kv-head group × new tokens (≥ 16 for tl.dot), at most 64 rows per program.
+    """
+    width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    block_n = 32 if width >= 256 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=5)
+
+
+def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, num_splits, max_context,
+           k_scale, v_scale, return_lse, config=None):
+    """q [B, Q, Hq, Dqk], caches [pages, page_size, Hk, D] → (o [B, Q, Hq, Dv], lse [B, Q, Hq] or empty)."""
+    batch, n_new, hq, dqk = q.shape
+    hk, dv = k_cache.shape[2], v_cache.shape[3]
+    group = hq // hk
+    o = torch.empty(batch, n_new, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, n_new, hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    cfg = dict(config or decode_config(dqk, dv, n_new * group))
+    m_blocks = triton.cdiv(n_new * group, cfg["BLOCK_M"])
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, hk, m_blocks, max_context, sm_count(q.device))
+    left = window[0]
+    chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
+    block_s = triton.next_power_of_2(num_splits)
+    fp8 = k_scale is not None
+    qk_scale = scale * LOG2E
+    cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0 else (0.0, 0.0)
+    grid = (batch, hk * m_blocks, num_splits)
+    common = dict(HAS_LEFT=left >= 0, HEAD_DV=dv)
+    if num_splits == 1:
+        out, out_lse, os_, ls = o, lse, (*o.stride()[:3], 0), ((*lse.stride(), 0) if return_lse else (0,) * 4)
+    else:
+        out = torch.empty(batch, n_new, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+        out_lse = torch.empty(batch, n_new, hq, num_splits, dtype=torch.float32, device=q.device)
+        os_, ls = out.stride()[:4], out_lse.stride()
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, out, out_lse if num_splits > 1 or return_lse else None,
+        k_scale, v_scale,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        *os_, *ls,
+        n_new, group, k_cache.shape[1], qk_scale, cap_in, cap_out, max(left, 0), chunk_min,
+        (k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
+        (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0,
+        NUM_SPLITS=num_splits, SOFTCAP=softcap > 0, FP8=fp8, STORE_LSE=num_splits > 1 or return_lse,
+        HEAD_DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+        INTERPRET=interpreting(), **common, **cfg,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, n_new * hq)](
+            out, out_lse, seq_lens, o, lse if return_lse else None,
+            *out.stride()[:4], *out_lse.stride(), *o.stride()[:3], *(lse.stride() if return_lse else (0, 0, 0)),
+            n_new, hq, max(left, 0), chunk_min,
+            NUM_SPLITS=num_splits, STORE_LSE=return_lse, BLOCK_S=block_s, BLOCK_DV=triton.next_power_of_2(dv),
+            BLOCK_N=cfg["BLOCK_N"], num_warps=max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)), **common,
+        )
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# merge of two attention states
+
+
+@triton.jit
+def _merge_kernel(
+    oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, n_rows, n_heads,
+    stride_oan, stride_oah, stride_obn, stride_obh, stride_lan, stride_lah, stride_lbn, stride_lbh,
+    HEAD_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    r_ok = r < n_rows
+    n = r // n_heads
+    h = r % n_heads
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < HEAD_D)[None, :]
+    la = tl.load(la_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=float("-inf")).to(tl.float32)
+    lb = tl.load(lb_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=float("-inf")).to(tl.float32)
+    m = tl.maximum(la, lb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m_safe)
+    wb = tl.exp(lb - m_safe)
+    total = wa + wb
+    oa = tl.load(oa_ptr + n[:, None] * stride_oan + h[:, None] * stride_oah + d[None, :], mask=mask, other=0.0)
+    ob = tl.load(ob_ptr + n[:, None] * stride_obn + h[:, None] * stride_obh + d[None, :], mask=mask, other=0.0)
+    inv = 1.0 / tl.where(total == 0.0, 1.0, total)
+    o = (oa.to(tl.float32) * (wa * inv)[:, None]) + (ob.to(tl.float32) * (wb * inv)[:, None])
+    tl.store(o_ptr + r[:, None] * HEAD_D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(l_ptr + r, lse, mask=r_ok)
+
+
+def merge_config(head_d: int):
+    """ROWS rows of one head each per program, ~4096 elements; 16-byte accesses."""
+    block_d = triton.next_power_of_2(head_d)
+    rows = max(1, min(64, 4096 // block_d))
+    return rows, block_d, max(1, min(8, rows * block_d // 512))
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """o [N, H, D] (last stride 1), lse [N, H] (any strides) → (o [N, H, D] in o_a.dtype, lse [N, H] fp32)."""
+    n, h, d = o_a.shape
+    o = torch.empty(n, h, d, dtype=o_a.dtype, device=o_a.device)
+    lse = torch.empty(n, h, dtype=torch.float32, device=o_a.device)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    rows, block_d, num_warps = merge_config(d)
+    _merge_kernel[(triton.cdiv(n * h, rows),)](
+        o_a, lse_a, o_b, lse_b, o, lse, n * h, h,
+        o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
+        lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
+        HEAD_D=d, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return o, lse
+
+
