@@ -19,10 +19,10 @@ import sys
 import traceback
 
 from . import sweep
-from .suites import activation, norm, rope
+from .suites import activation, attention, norm, rope
 
-SUITES = {"norm": norm, "activation": activation, "rope": rope, "sweep": sweep}
-ALL = ("norm", "activation", "rope")  # what "all" runs; the sweep is asked for by name
+SUITES = {"norm": norm, "activation": activation, "rope": rope, "sweep": sweep, "attention": attention}
+ALL = ("norm", "activation", "rope", "attention")  # what "all" runs; the sweep is asked for by name
 
 NO_GPU = ("lmkernels bench needs a CUDA GPU; torch.cuda.is_available() is False here. The benchmarks time "
           "the Triton kernels against their peers and the GPU's measured limits, so there is nothing to "

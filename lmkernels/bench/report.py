@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .harness import COPY_GOAL, GOAL_KINDS, PEER_GOAL, goal_text
 
-SUITE_ORDER = ("norm", "activation", "rope", "sweep")
+SUITE_ORDER = ("norm", "activation", "rope", "attention", "sweep")
 SCHEMA = 1
 
 

@@ -223,11 +223,11 @@ def test_act_configs():
 
 
 def test_resolve_suites():
-    assert bench.resolve_suites(["all"]) == ["norm", "activation", "rope"]
-    assert bench.resolve_suites(["rope", "all", "sweep"]) == ["rope", "norm", "activation", "sweep"]
+    assert bench.resolve_suites(["all"]) == ["norm", "activation", "rope", "attention"]
+    assert bench.resolve_suites(["rope", "all", "sweep"]) == ["rope", "norm", "activation", "attention", "sweep"]
     with pytest.raises(ValueError, match="unknown benchmark suite 'nope'"):
         bench.resolve_suites(["nope"])
-    assert set(bench.SUITES) == {"norm", "activation", "rope", "sweep"}
+    assert set(bench.SUITES) == {"norm", "activation", "rope", "attention", "sweep"}
     assert all(callable(getattr(m, "run", None)) for m in bench.SUITES.values())
 
 

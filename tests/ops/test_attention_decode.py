@@ -174,24 +174,69 @@ def test_decode_after_prefill_equals_prefill(small_tiles, monkeypatch, hq, hk, q
 
 def test_launch_does_not_depend_on_lengths(monkeypatch):
     """CUDA-graph safety: for one batch shape the grids and compile-time parameters are the same whatever
-    seq_lens holds (num_splits from the block-table width)."""
+    seq_lens holds, for the persistent schedule (the default) and for split-KV with its merge."""
     launches = []
-    for fn in (kernels._decode_kernel, kernels._decode_merge_kernel):
+    for fn in (kernels._decode_kernel, kernels._decode_merge_kernel, kernels._decode_persistent_kernel):
         real = fn.run
-        monkeypatch.setattr(fn, "run", lambda *a, _real=real, **kw: (
-            launches.append((kw["grid"], {k: v for k, v in kw.items() if k.isupper() or k.startswith("num_")})),
+        monkeypatch.setattr(fn, "run", lambda *a, _real=real, _fn=fn, **kw: (
+            launches.append((_fn.fn.__name__, kw["grid"],
+                             {k: v for k, v in kw.items() if k.isupper() or k.startswith("num_")})),
             _real(*a, **kw))[1])
-    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 3)
     k_cache, v_cache, tables, _ = paged([300, 300], 2, page_size=16, spare_pages=0)
     tables = torch.cat([tables, torch.zeros(2, 64 - tables.shape[1], dtype=torch.int32)], 1)  # room for 1024
     q = torch.randn(2, 1, 4, 64, dtype=DT)
-    seen = []
-    for lens in ([300, 300], [1, 257], [0, 0]):
-        launches.clear()
-        attention_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32))
-        seen.append(list(launches))
-    assert seen[0] == seen[1] == seen[2]
-    assert len(seen[0]) == 2 and seen[0][0][1]["NUM_SPLITS"] > 1  # split-KV and its merge
+    for splits in (None, 4):
+        seen = []
+        for lens in ([300, 300], [1, 257], [0, 0]):
+            launches.clear()
+            attention_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), num_splits=splits)
+            seen.append(list(launches))
+        assert seen[0] == seen[1] == seen[2]
+        if splits is None:
+            (name, grid, _), = seen[0]
+            assert name == "_decode_persistent_kernel" and grid == (2 * 3,)  # PROGRAMS_PER_SM × SMs
+        else:
+            assert [x[0] for x in seen[0]] == ["_decode_kernel", "_decode_merge_kernel"]
+            assert seen[0][0][2]["NUM_SPLITS"] == 4
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5, 13, 64])
+@pytest.mark.parametrize("lens,hq,hk,q_per_seq", [
+    ([37, 1, 70, 16, 0], 4, 1, 1),  # ragged, a single token, an empty slot
+    ([90, 3, 41], 8, 2, 3),  # 12 rows per kv head in one block
+    ([64, 17], 8, 1, 3),  # 24 rows: two row blocks of 16 per kv head
+    ([0, 0, 0], 2, 1, 2),  # nothing to read: o = 0, lse = −inf everywhere
+])
+def test_persistent_schedule(monkeypatch, poison, programs, lens, hq, hk, q_per_seq):
+    """Stream-K decode on fixed grids: segments split over many programs (merged by the last one to arrive)
+    and programs covering many segments; the counters are back to zero after every launch."""
+    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows: dict(
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=programs))
+    k_cache, v_cache, tables, seq_lens = paged(lens, hk)
+    q = torch.randn(len(lens), q_per_seq, hq, 64, dtype=DT)
+    o, lse = attention_decode(q, k_cache, v_cache, tables, seq_lens, return_lse=True)
+    ro, rl = reference.attention_decode(q.double(), k_cache, v_cache, tables, seq_lens)
+    check(o, lse, ro, rl)
+    assert not kernels._COUNTERS[("cpu", 0)].any()
+    o2 = attention_decode(q, k_cache, v_cache, tables, seq_lens)  # no lse; same counters reused
+    assert rel_err(o2, ro) < TOL[DT]
+
+
+def test_persistent_window_softcap_fp8(monkeypatch):
+    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows: dict(
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=7))
+    lens = [75, 6, 33]
+    k_hi, v_hi, tables, seq_lens = paged(lens, 2, page_size=16)
+    q = torch.randn(3, 2, 8, 64, dtype=DT)
+    o, lse = attention_decode(q, k_hi, v_hi, tables, seq_lens, window=(20, -1), softcap=4.0, return_lse=True)
+    ro, rl = reference.attention_decode(q.double(), k_hi, v_hi, tables, seq_lens, window=(20, -1), softcap=4.0)
+    check(o, lse, ro, rl)
+    ks, vs = torch.tensor([0.02, 0.05]), torch.tensor([0.03])
+    k8, v8 = reference.quantize_fp8(k_hi, ks), reference.quantize_fp8(v_hi, vs)
+    o, lse = attention_decode(q, k8, v8, tables, seq_lens, k_scale=ks, v_scale=vs, return_lse=True)
+    ro, rl = reference.attention_decode(q.double(), k8, v8, tables, seq_lens, k_scale=ks, v_scale=vs)
+    check(o, lse, ro, rl)
 
 
 def test_num_splits_heuristic():
@@ -248,6 +293,22 @@ def test_write_kv_cache_fp8_rounding():
     reference.write_kv_cache(k, v, want_k, want_v, slots, scale, scale)
     assert torch.equal(k_cache.float(), want_k.float()) and torch.equal(v_cache.float(), want_v.float())
     assert k_cache.float().abs().max() == 448
+
+
+def test_write_kv_cache_fp8_bit_exact_signed_zero_and_subnormals():
+    """Bit for bit what torch's cast gives, signs of zero included: tiny negatives round to −0 (0x80), values
+    between e4m3 subnormals (step 2^-9) round to nearest-even, the normal range too."""
+    sub = torch.tensor([-1e-7, -0.0009, 0.0009, -0.00098, 0.00098, 2.0**-10, -(2.0**-10), 3 * 2.0**-10,
+                        -3 * 2.0**-10, 0.0156, -0.0155, 0.0, -0.0, 1e-30, -1e-30, 448.0, -500.0, 1.0625, -1.1875])
+    k = sub.repeat(64 * 2 // sub.numel() + 1)[:128].view(2, 1, 64)
+    k_cache = torch.zeros(1, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    one = torch.ones(1)
+    write_kv_cache(k, k, k_cache, v_cache, torch.tensor([3, 9]), k_scale=one, v_scale=one)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    reference.write_kv_cache(k, k, want_k, want_v, torch.tensor([3, 9]), one, one)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert (k_cache.view(torch.uint8) == 0x80).any()  # −0 was written as −0
 
 
 def test_empty_inputs():

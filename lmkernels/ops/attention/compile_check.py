@@ -1,5 +1,5 @@
 """Compile the attention kernels for Hopper (sm_90) on a machine without a GPU, and report what ptxas made of
-them: `python -m lmkernels.ops.attention.compile_check [prefill|paged|decode|other|all]`.
+them: `python -m lmkernels.ops.attention.compile_check [prefill|paged|decode|persistent|other|all]`.
 
 A development aid for the launch heuristics, not a test: it catches GPU-only compile errors (things the
 interpreter accepts, such as non-constexpr globals) and prints per configuration the registers, stack bytes
@@ -77,6 +77,21 @@ def decode(d=128, rows=4, cache="bf16", split=True, cfg=None):
     return compile_kernel(K._decode_kernel, types, ce, nw, ns)
 
 
+def decode_persistent(d=128, rows=4, cache="bf16", cfg=None, batch=64):
+    cfg = dict(cfg or K.decode_config(d, d, rows))
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("PROGRAMS_PER_SM", None)
+    cfg.pop("PROGRAMS", None)
+    types = dict(q_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, bt_ptr="*i32", len_ptr="*i32",
+                 o_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_l_ptr="*fp32", cnt_ptr="*i32",
+                 ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32", cap_in="fp32", cap_out="fp32")
+    ce = dict(HAS_LEFT=False, SOFTCAP=False, FP8=cache == "fp8e4nv", STORE_LSE=False, HEAD_DQK=d, HEAD_DV=d,
+              BLOCK_DQK=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
+              BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=min(cfg["BLOCK_M"], triton.next_power_of_2(rows)),
+              BLOCK_S=max(1, 32 // min(cfg["BLOCK_M"], triton.next_power_of_2(rows))), INTERPRET=False, **cfg)
+    return compile_kernel(K._decode_persistent_kernel, types, ce, nw, ns)
+
+
 def other():
     out = {}
     types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
@@ -125,6 +140,12 @@ def main(argv=None):
                     cfg = K.decode_config(d, d, rows)
                     _show(f"decode d{d} rows {rows} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} s{cfg['num_stages']} {cache} "
                           f"{'split' if split else 'whole'}", decode(d, rows, cache, split))
+    if which in ("persistent", "decode", "all"):
+        for cache in ("bf16", "fp8e4nv"):
+            for d, rows in ((64, 8), (128, 4), (128, 32), (256, 4)):
+                cfg = K.decode_config(d, d, rows)
+                _show(f"decode persistent d{d} rows {rows} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} s{cfg['num_stages']} "
+                      f"{cache}", decode_persistent(d, rows, cache))
     if which in ("other", "all"):
         for name, r in other().items():
             _show(name, r)

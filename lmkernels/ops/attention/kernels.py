@@ -56,13 +56,16 @@ def _round_to_e4m3(x):
     The GPU's conversion rounds correctly by itself; the Triton interpreter's does not (a value that
     rounds up to the next power of two comes out halved), and this costs a few integer ops per element
     in a memory-bound kernel. Normal range: round the fp32 mantissa to 3 bits (the carry runs into the
-    exponent); below 2^-6 (e4m3 subnormals, step 2^-9): the 1.5·2^23 round-to-integer trick.
+    exponent); below 2^-6 (e4m3 subnormals, step 2^-9): the 1.5·2^23 round-to-integer trick on |x|, with
+    the sign bit put back (so tiny negatives give −0, bit for bit what torch's cast gives).
     """
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-    normal = bits.to(tl.float32, bitcast=True)
-    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+    sign = bits & -2147483648
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    # subnormals on |x|, then x's sign put back: a negative value that rounds to zero is −0, as torch casts it
+    sub = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub_bits = sub.to(tl.int32, bitcast=True) | sign
+    return tl.where(tl.abs(x) < 0.015625, sub_bits, rounded).to(tl.float32, bitcast=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,7 +121,12 @@ def _prefill_tile(
     else:
         k = _load_kv(k_base + k_rows[:, None] + offs_dqk[None, :], in_seq[:, None] & dqk_ok[None, :],
                      MASK or HEAD_DQK != BLOCK_DQK, FP8, q.dtype)
-    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_in, cap_out, SOFTCAP)
+    # Without softcap the scale is applied as the FlashAttention tutorial does: the row max of the raw
+    # q·k times the scale (scale > 0), then p = exp2(qk·scale − m) as one FMA per score.
+    if SOFTCAP:
+        s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_in, cap_out, SOFTCAP)
+    else:
+        s = tl.dot(q, tl.trans(k))
     if MASK:
         ok = in_seq[None, :]
         if HAS_RIGHT:
@@ -126,12 +134,18 @@ def _prefill_tile(
         if HAS_LEFT:
             ok = ok & (kn[None, :] >= pos[:, None] - left)
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASK:  # a row may have seen no key yet: keep exp2 away from (−inf) − (−inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.exp2(s - m_use[:, None])
+    if SOFTCAP:
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -295,33 +309,39 @@ def _prefill_kernel(
 
 
 def prefill_config(head_dqk: int, head_dv: int, max_seqlen_q: int):
-    """Launch parameters of the prefill kernel (the single place they are chosen).
+    """Launch parameters of the prefill kernel (the single place they are chosen), from the H100 sweep
+    (triton 3.6; benchmarks/NOTES.md, "Issue 3"), at 8k causal unless said otherwise:
 
-    Hopper, FA2 style: 128 queries × 64–128 keys per tile, 8 warps (two warpgroups of 64 rows for wgmma),
-    2–3 stage software pipeline (triton 3.6 for sm_90, checked with ptxas: 182–230 registers, no spills,
-    112–128 KB shared memory at dims 64–128). Wide heads (256, and 192/128) keep two stages: three would
-    need 256 KB of shared memory (with two: 255 registers, no spills, 192 KB). Short query runs
-    (chunked-prefill tails, ≤ 64 tokens) take 64-row blocks and 4 warps so fewer rows idle. The TMA path
-    needs fewer registers (143 at dim 128), which may leave room for larger tiles: gpu_selftest --sweep.
+    - dims ≤ 128 (d96 pads to 128): 128 queries × 128 keys, 8 warps (two warpgroups of 64 rows for wgmma),
+      3 stages, pointer loads (224 KB shared memory, 255 registers, no spills). 480 TFLOP/s at 8k (128×64
+      with 4 stages: 486, within noise), 535 at 32k (128×64: 498–512), 529 non-causal. TMA descriptors
+      were 5–8% slower at every tile shape.
+    - dim 64: 128 × 64, 8 warps, 4 stages, pointers: 414 TFLOP/s; the old 128 × 128 / 3 stages gave 338.
+    - dims 256 (and 192/128): 128 × 64, 8 warps, 2 stages, TMA (522; pointers 508); 3 stages do not fit.
+    Short query runs (chunked-prefill tails, ≤ 64 tokens) take 64-row blocks and 4 warps so fewer rows idle.
+    `tl.range(..., warp_specialize=True)` does not compile for this loop on sm_90 with triton 3.6 (the
+    Hopper warp-specialisation pass asserts), so there is no warp-specialised variant.
     """
     width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
     if width >= 256:
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True)
     elif width == 128:
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=False)
     else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=False)
     if max_seqlen_q <= 64:
         cfg.update(BLOCK_M=64, num_warps=4)
         if width >= 256:  # 64 × 64 tiles at dim 256 spill (48 bytes of stack) on the pointer path
             cfg.update(BLOCK_N=32)
+        elif width == 128:
+            cfg.update(BLOCK_N=64)
     return cfg
 
 
 # Load q/k/v and store o of the (non-paged) prefill through per-sequence TMA tensor descriptors (Hopper's
-# bulk tensor copy engine) instead of pointer tiles with cp.async. None: wherever the tensors allow it
-# (16-byte aligned base and strides). Both paths pass the same tests; which is faster is measured by
-# gpu_selftest (rows "ours" and "ours-tma"/"ours-ptr").
+# bulk tensor copy engine) instead of pointer tiles with cp.async. None: as prefill_config's TMA says
+# (descriptors only where the tensors allow them: 16-byte aligned base and strides); True/False override
+# it (gpu_selftest runs its checks both ways).
 PREFILL_TMA = None
 
 
@@ -358,7 +378,9 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         lse.fill_(float("-inf"))
         return o.zero_(), lse
     cfg = dict(config or prefill_config(dqk, dv, max_seqlen_q))
-    tma = cfg.pop("TMA", PREFILL_TMA)
+    tma = cfg.pop("TMA", None)
+    if PREFILL_TMA is not None:
+        tma = PREFILL_TMA
     if tma is None or tma:
         tma = block_tables is None and _tma_ok((q, k, v, o), (strides[0:3], strides[3:6], strides[6:9], strides[9:12]))
     if tma and q.is_cuda:
@@ -438,7 +460,9 @@ def _write_rows(x_ptr, cache_ptr, scale_ptr, token, page, row, stride_xt, stride
     x = tl.load(x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
     if FP8:
         s = tl.load(scale_ptr + h * stride_scale, mask=h < n_heads, other=1.0)
-        x = x.to(tl.float32) / s[:, None]
+        # IEEE division, as torch divides: `/` on fp32 compiles to div.full.f32 on the GPU (~2 ulp), which
+        # moves a value that sits near the midpoint of two e4m3 neighbours to the other side now and then.
+        x = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(s[:, None], x.shape))
         x = _round_to_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     dst = cache_ptr + page * stride_cp + row * stride_cs + h[:, None] * stride_ch + d[None, :]
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -664,6 +688,188 @@ def _decode_merge_kernel(
         tl.store(lse_ptr + batch.to(tl.int64) * stride_lb + tok * stride_lt + head * stride_lh, lse)
 
 
+@triton.jit
+def _pick(vec, sel):
+    """The element of a 1-D tensor where `sel` (one-hot) is true, as a scalar."""
+    return tl.sum(tl.where(sel, vec, 0), 0)
+
+
+@triton.jit
+def _decode_persistent_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, part_o_ptr, part_l_ptr, cnt_ptr, ks_ptr, vs_ptr,
+    stride_qb, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+    batch, n_new, group, n_kv, n_mblocks, page_size, qk_scale, cap_in, cap_out, left, stride_kscale, stride_vscale,
+    HAS_LEFT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Stream-K decode: the key tiles of all (sequence, kv head, row block) segments, laid end to end, are cut
+    into equal contiguous ranges, one per program (a fixed grid of a few programs per SM).
+
+    A program walks its range segment by segment. A segment it covers whole is finished and written at
+    once; a piece of a segment is written as an fp32 partial (o, lse) into the program's slot 0 (its first
+    segment) or 1 (its last), then the program counts itself in on the segment's counter, and the last of
+    the segment's programs to arrive merges the pieces, writes the output and resets the counter to 0.
+    Which programs share a segment follows from the ranges: program p owns tiles [p·per, (p+1)·per).
+    """
+    pid = tl.program_id(0)
+    per_b = tl.arange(0, BLOCK_B)
+    b_ok = per_b < batch
+    lens = tl.load(len_ptr + per_b, mask=b_ok, other=0)
+    if HAS_LEFT:  # first key tile any new token can see (the left window edge of the first new token)
+        lo_b = tl.maximum(lens - n_new - left, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo_b = tl.zeros([BLOCK_B], tl.int32)
+    # ≥ 1 tile per segment, so that an empty sequence's segment is visited and writes o = 0, lse = −inf
+    tiles_b = tl.where(b_ok, tl.maximum(tl.cdiv(lens - lo_b, BLOCK_N), 1), 0)
+    n_segs = n_kv * n_mblocks
+    work_b = tiles_b.to(tl.int64) * n_segs
+    end_b = tl.cumsum(work_b, 0)
+    total = tl.sum(work_b, 0)
+    per = tl.maximum(tl.cdiv(total, tl.num_programs(0)), 1)
+    w_first = pid.to(tl.int64) * per
+    w_stop = tl.minimum(w_first + per, total)
+
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    dv_ok = offs_dv < HEAD_DV
+    w = w_first
+    while w < w_stop:
+        b = tl.sum((end_b <= w).to(tl.int32), 0)
+        sel = per_b == b
+        nt = _pick(tiles_b, sel).to(tl.int64)
+        seq_len = _pick(lens, sel)
+        lo = _pick(lo_b, sel)
+        seg_base = _pick(end_b - work_b, sel)
+        seg = (w - seg_base) // nt
+        t0 = w - seg_base - seg * nt
+        t1 = tl.minimum(nt, t0 + (w_stop - w))
+        kv_head = (seg // n_mblocks).to(tl.int32)
+        m_block = (seg % n_mblocks).to(tl.int32)
+
+        # Row r of the tile: new token r // group, query head kv_head·group + r % group.
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // group
+        head = kv_head * group + rows % group
+        row_ok = rows < n_new * group
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_dqk[None, :], mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+        pos = seq_len - n_new + tok  # causal among the new tokens
+        sc_qk = qk_scale
+        sc_in = cap_in
+        if FP8:
+            k_sc = tl.load(ks_ptr + kv_head * stride_kscale)
+            sc_qk = qk_scale * k_sc
+            sc_in = cap_in * k_sc
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        k_head = kc_ptr + kv_head * stride_kh
+        v_head = vc_ptr + kv_head * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        start = lo + (t0 * BLOCK_N).to(tl.int32)
+        stop = tl.minimum(lo + (t1 * BLOCK_N).to(tl.int32), seq_len)
+        if INTERPRET:  # see _prefill_span: the interpreter cannot take tensor range() bounds
+            n0 = start
+            while n0 < stop:
+                acc, l_i, m_i = _decode_tile(
+                    acc, l_i, m_i, q, k_head, v_head, bt_row, n0, seq_len, pos, left, page_size, stride_kp,
+                    stride_ks, stride_vp, stride_vs, sc_qk, sc_in, cap_out, offs_n, offs_dqk, offs_dv,
+                    HAS_LEFT, SOFTCAP, FP8, HEAD_DQK, HEAD_DV)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, stop, BLOCK_N):
+                acc, l_i, m_i = _decode_tile(
+                    acc, l_i, m_i, q, k_head, v_head, bt_row, n0, seq_len, pos, left, page_size, stride_kp,
+                    stride_ks, stride_vp, stride_vs, sc_qk, sc_in, cap_out, offs_n, offs_dqk, offs_dv,
+                    HAS_LEFT, SOFTCAP, FP8, HEAD_DQK, HEAD_DV)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        if FP8:
+            out = acc * (tl.load(vs_ptr + kv_head * stride_vscale) / l_safe)[:, None]
+        else:
+            out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                  + offs_dv[None, :])
+        o_mask = row_ok[:, None] & dv_ok[None, :]
+        if (t0 == 0) & (t1 == nt):  # the whole segment: final output
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            if STORE_LSE:
+                tl.store(lse_ptr + b.to(tl.int64) * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+        else:
+            slot = pid * 2 + (w != w_first).to(tl.int32)
+            p_rows = tl.arange(0, BLOCK_M)
+            tl.store(part_o_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_DV) + p_rows[:, None] * BLOCK_DV
+                     + offs_dv[None, :], out, mask=o_mask)
+            tl.store(part_l_ptr + slot.to(tl.int64) * BLOCK_M + p_rows, lse, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
+            g_start = seg_base + seg * nt
+            p_first = g_start // per
+            n_pieces = (g_start + nt - 1) // per - p_first + 1
+            counter = cnt_ptr + b.to(tl.int64) * n_segs + seg
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_pieces - 1:  # the last piece of the segment: merge all (this one included)
+                first_slot = p_first * 2 + (p_first * per != g_start).to(tl.int64)
+                # [BLOCK_R rows × BLOCK_S pieces] per step, loaded at once (one L2 round trip per step, not
+                # one per piece; BLOCK_R · BLOCK_S = 32 keeps the tile at 32 registers a thread): BLOCK_R covers
+                # this block's valid rows
+                r = tl.arange(0, BLOCK_R)
+                r_ok = m_block * BLOCK_M + r < n_new * group
+                m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+                l_all = tl.zeros([BLOCK_R], tl.float32)
+                o_all = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+                if INTERPRET:
+                    j0 = 0
+                    while j0 < n_pieces:
+                        m_all, l_all, o_all = _merge_pieces(
+                            m_all, l_all, o_all, part_o_ptr, part_l_ptr, j0, n_pieces, first_slot, p_first, r, r_ok,
+                            offs_dv, dv_ok, BLOCK_M, BLOCK_DV, BLOCK_S)
+                        j0 += BLOCK_S
+                else:
+                    for j0 in range(0, n_pieces, BLOCK_S):
+                        m_all, l_all, o_all = _merge_pieces(
+                            m_all, l_all, o_all, part_o_ptr, part_l_ptr, j0, n_pieces, first_slot, p_first, r, r_ok,
+                            offs_dv, dv_ok, BLOCK_M, BLOCK_DV, BLOCK_S)
+                none = l_all == 0.0
+                l_all = tl.where(none, 1.0, l_all)
+                rows_r = m_block * BLOCK_M + r
+                tok_r = rows_r // group
+                head_r = kv_head * group + rows_r % group
+                tl.store(o_ptr + b.to(tl.int64) * stride_ob + tok_r[:, None] * stride_ot + head_r[:, None] * stride_oh
+                         + offs_dv[None, :], (o_all / l_all[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=r_ok[:, None] & dv_ok[None, :])
+                if STORE_LSE:
+                    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + tok_r * stride_lt + head_r * stride_lh,
+                             tl.where(none, float("-inf"), m_all + tl.log(l_all)), mask=r_ok)
+                tl.store(counter, 0)  # ready for the next launch
+        w += t1 - t0
+
+
+@triton.jit
+def _merge_pieces(m_all, l_all, o_all, part_o_ptr, part_l_ptr, j0, n_pieces, first_slot, p_first, r, r_ok, offs_dv,
+                  dv_ok, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Fold pieces j0 … j0 + BLOCK_S − 1 of a segment (piece 0 in slot first_slot, piece j > 0 in slot 0 of
+    program p_first + j) into the running per-row (max lse, Σ weights, Σ weight · o). One [rows, pieces, dv]
+    load; the loads bypass L1 (other SMs wrote these)."""
+    j = j0 + tl.arange(0, BLOCK_S)
+    slot = tl.where(j == 0, first_slot, (p_first + j) * 2)
+    ok = r_ok[:, None] & (j < n_pieces)[None, :]
+    lse = tl.load(part_l_ptr + slot[None, :] * BLOCK_M + r[:, None], mask=ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    o = tl.load(part_o_ptr + slot[None, :, None] * (BLOCK_M * BLOCK_DV) + r[:, None, None] * BLOCK_DV
+                + offs_dv[None, None, :], mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m_all, tl.max(lse, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_all - m_safe)
+    wgt = tl.exp(lse - m_safe[:, None])
+    return m_new, l_all * alpha + tl.sum(wgt, 1), o_all * alpha[:, None] + tl.sum(o * wgt[:, :, None], 1)
+
+
 _SM_COUNT = {}
 
 
@@ -707,22 +913,52 @@ def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
 
 
 def decode_config(head_dqk: int, head_dv: int, rows: int):
-    """Launch parameters of the decode kernel. Memory-bound: 64-key tiles (32 at head dim 256), 5 stages.
+    """Launch parameters of the decode kernels (memory-bound), from the H100 sweep in benchmarks/NOTES.md.
 
-    The pipeliner schedules the block-table load a stage ahead of the K/V tiles it addresses, so the
-    K/V tiles get (num_stages − 1) // 2 shared-memory buffers: 5 stages keep two tiles (64 KB) in flight
-    per program (triton 3.6 for sm_90: 72 KB shared memory, ~170 registers, no spills). BLOCK_M holds the
-    kv-head group × new tokens (≥ 16 for tl.dot), at most 64 rows per program.
+    Head dims ≤ 128 with ≤ 8 rows (a GQA group of ≤ 8, one new token): 128-key tiles, 3 stages (72 KB of
+    shared memory, ~225 registers, 2 programs per SM); 0–6% faster than 64-key tiles with 5 stages on every
+    measured batch. More rows (speculative tokens × group): 64-key tiles, 5 stages (128 spill); 64 rows or
+    dim 256: 32-key tiles, 5 stages (the 128-key tile at dim 256 would need ~200 KB). BLOCK_M holds the kv-head group × new tokens (≥ 16 for tl.dot), at most 64 rows per
+    program. PROGRAMS_PER_SM: the persistent (stream-K) grid; 2 = what fits (registers), and 1, 3 were
+    10–20% slower (one program per SM keeps too few loads in flight; three make a second partial wave).
     """
     width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
-    block_n = 32 if width >= 256 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=5)
+    if width >= 256 or block_m >= 64:
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
+    if rows > 8:  # 128-key tiles spill with 16–32 rows (ptxas: 56–112 bytes of stack)
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2)
+
+
+# The persistent schedule loads every sequence length into each program (a vector of next_pow2(batch)):
+# above this batch the split-KV schedule runs instead (large batches fill the GPU by themselves).
+PERSISTENT_MAX_BATCH = 1024
+_COUNTERS = {}
+
+
+def _counters(device, n: int):
+    """Zeroed int32 segment counters of the persistent decode, one buffer per device, kept between calls:
+    the last program of each segment resets its counter, so the buffer is all zeros after every launch
+    (no memset per call, CUDA-graph safe). Decode launches on one device must therefore not run
+    concurrently on several streams. A buffer first needed during graph capture is made inside the graph
+    (its zeroing is then part of every replay) and not kept."""
+    key = (device.type, device.index if device.index is not None else
+           (torch.cuda.current_device() if device.type == "cuda" else 0))
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _COUNTERS[key] = buf
+    return buf
 
 
 def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, num_splits, max_context,
            k_scale, v_scale, return_lse, config=None):
-    """q [B, Q, Hq, Dqk], caches [pages, page_size, Hk, D] → (o [B, Q, Hq, Dv], lse [B, Q, Hq] or empty)."""
+    """q [B, Q, Hq, Dqk], caches [pages, page_size, Hk, D] → (o [B, Q, Hq, Dv], lse [B, Q, Hq] or empty).
+
+    num_splits None: the persistent stream-K schedule (batches up to PERSISTENT_MAX_BATCH), else split-KV
+    with that many splits (None above the limit: the heuristic's count)."""
     batch, n_new, hq, dqk = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     group = hq // hk
@@ -731,17 +967,40 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     cfg = dict(config or decode_config(dqk, dv, n_new * group))
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
+    programs = cfg.pop("PROGRAMS", None)  # an exact grid (tests)
     m_blocks = triton.cdiv(n_new * group, cfg["BLOCK_M"])
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, hk, m_blocks, max_context, sm_count(q.device))
     left = window[0]
-    chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
-    block_s = triton.next_power_of_2(num_splits)
     fp8 = k_scale is not None
     qk_scale = scale * LOG2E
     cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0 else (0.0, 0.0)
-    grid = (batch, hk * m_blocks, num_splits)
+    scale_strides = ((k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
+                     (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0)
     common = dict(HAS_LEFT=left >= 0, HEAD_DV=dv)
+    if num_splits is None and batch <= PERSISTENT_MAX_BATCH:
+        grid = programs or per_sm * sm_count(q.device)
+        block_m, block_dv = cfg["BLOCK_M"], triton.next_power_of_2(dv)
+        block_r = min(block_m, triton.next_power_of_2(n_new * group))  # the merge's rows: all valid ones of a block
+        part_o = torch.empty(grid * 2 * block_m * block_dv, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(grid * 2 * block_m, dtype=torch.float32, device=q.device)
+        counters = _counters(q.device, batch * hk * m_blocks)
+        _decode_persistent_kernel[(grid,)](
+            q, k_cache, v_cache, block_tables, seq_lens, o, lse if return_lse else None, part_o, part_l, counters,
+            k_scale, v_scale,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+            *o.stride()[:3], *(lse.stride() if return_lse else (0, 0, 0)),
+            batch, n_new, group, hk, m_blocks, k_cache.shape[1], qk_scale, cap_in, cap_out, max(left, 0),
+            *scale_strides,
+            SOFTCAP=softcap > 0, FP8=fp8, STORE_LSE=return_lse, HEAD_DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk),
+            BLOCK_DV=block_dv, BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=block_r, BLOCK_S=max(1, 32 // block_r),
+            INTERPRET=interpreting(), **common, **cfg,
+        )
+        return o, lse
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, hk, m_blocks, max_context, sm_count(q.device))
+    chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
+    block_s = triton.next_power_of_2(num_splits)
+    grid = (batch, hk * m_blocks, num_splits)
     if num_splits == 1:
         out, out_lse, os_, ls = o, lse, (*o.stride()[:3], 0), ((*lse.stride(), 0) if return_lse else (0,) * 4)
     else:
@@ -753,9 +1012,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
         k_scale, v_scale,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *os_, *ls,
-        n_new, group, k_cache.shape[1], qk_scale, cap_in, cap_out, max(left, 0), chunk_min,
-        (k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
-        (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0,
+        n_new, group, k_cache.shape[1], qk_scale, cap_in, cap_out, max(left, 0), chunk_min, *scale_strides,
         NUM_SPLITS=num_splits, SOFTCAP=softcap > 0, FP8=fp8, STORE_LSE=num_splits > 1 or return_lse,
         HEAD_DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
         INTERPRET=interpreting(), **common, **cfg,
