@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .harness import COPY_GOAL, GOAL_KINDS, PEER_GOAL, goal_text
 
-SUITE_ORDER = ("norm", "activation", "rope", "attention", "sweep")
+SUITE_ORDER = ("norm", "activation", "rope", "attention", "kda", "mla", "engine", "sweep")
 SCHEMA = 1
 
 

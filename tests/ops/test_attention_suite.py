@@ -37,7 +37,7 @@ def dry_run(monkeypatch):
 
 
 def test_attention_suite_registered():
-    assert bench.SUITES["attention"] is suite
+    assert bench.load_suite("attention") is suite
 
 
 def test_attention_suite_dry_run(dry_run):
