@@ -1,0 +1,9 @@
+"""MLA (Multi-head Latent Attention, DeepSeek-V2/V3): a paged latent cache with a fused RMSNorm + RoPE +
+store (bf16 or FP8 e4m3 with a scale per 128 values), absorbed paged decode (MQA with key dim 576, value
+dim 512, all heads in one tile, split-KV + LSE merge, MTP query tokens), the prefill path through the
+attention family's kernel, and a DeepSeek-V3 attention layer (layer.py). Math in reference.py."""
+
+from .api import mla_decode, new_latent_cache, write_latent_cache
+from .prefill import mla_prefill
+
+__all__ = ["mla_decode", "mla_prefill", "new_latent_cache", "write_latent_cache"]

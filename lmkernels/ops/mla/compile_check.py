@@ -1,0 +1,51 @@
+"""Compile the MLA kernels for Hopper (sm_90) without a GPU and print registers, spills, shared memory and the
+instructions that matter: `python -m lmkernels.ops.mla.compile_check`. A development aid, not a test; it uses
+the attention family's helper (triton internals as of 3.6)."""
+
+import sys
+
+from ..attention.compile_check import _show, compile_kernel
+from . import kernels as K
+
+
+def decode(rows, cache="bf16", split=True, cfg=None):
+    cfg = dict(cfg or K.decode_config(rows))
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("PROGRAMS_PER_SM", None)
+    types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
+                 o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", qk_scale="fp32")
+    ce = dict(NUM_SPLITS=8 if split else 1, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
+              INTERPRET=False, **cfg)
+    return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
+
+
+def main(argv=None):
+    args = argv or sys.argv[1:]
+    configs = [None]
+    if args and args[0] == "sweep":
+        configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                   for bm in (16, 64) for bn in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)]
+    for rows in (16, 32, 64, 128):
+        for cache in ("bf16", "fp8e4nv"):
+            for cfg in configs:
+                if cfg is not None and cfg["BLOCK_M"] != min(64, max(16, rows)):
+                    continue
+                c = cfg or K.decode_config(rows)
+                try:
+                    r = decode(rows, cache, True, cfg)
+                except Exception as e:  # noqa: BLE001
+                    print(f"rows {rows} {cache} {c}: {type(e).__name__} {str(e)[:100]}")
+                    continue
+                _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
+                      f"{cache}", r)
+    types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",
+                 sc_ptr="*fp32", eps="fp32")
+    for cache in ("bf16", "fp8e4nv"):
+        types["c_ptr"] = "*" + cache
+        _show(f"write_latent_cache {cache}", compile_kernel(K._write_latent_kernel, types,
+                                                            dict(FP8=cache != "bf16", KV_LORA=512, ROPE=64), 4, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Triton kernels for MLA: the fused latent-cache write and the absorbed paged decode.
+
+Write: one program per token. It loads the token's wkv_a output row [576] once, RMS-normalises the first
+512 values (times the weight), rotates the 64 rope values by interleaved pairs with the cos/sin row of the
+token's position, and stores the 576 values at the token's slot (bf16/fp16/fp32 cache), or quantises them
+to e4m3 with one float32 scale per 128 values (FP8 cache). One launch for the whole batch.
+
+Decode: multi-query attention with one KV head, key dim 576 = 512 + 64, value dim 512. A program owns
+BLOCK_M rows (row r = new token r // H, head r % H: all heads of a sequence and its new tokens, the M
+dimension of every dot) of one sequence and one split of its key range. Per BLOCK_N-key tile it gathers
+the rows through the block table once, as two tiles: c_kv [BLOCK_N, 512] and k_pe [BLOCK_N, 64];
+scores = q_lat · c_kvᵀ + q_pe · k_peᵀ (two dots), then o += p · c_kv (the same c_kv tile is the value).
+Online softmax in base 2, fp32 accumulators. With several splits each program writes an fp32 partial
+(o, lse) and a second kernel merges them by their log-sum-exp. Split boundaries: fixed chunks (from the
+caller's bound on the context) of the length read on the device, so the launch depends only on shapes
+(CUDA graphs capture it; no host sync). FP8 cache: tiles are dequantised (value · scale of its group) to
+the query dtype in registers before the dots.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._utils import interpreting
+from ..attention.kernels import _round_to_e4m3  # exact e4m3 rounding (also under the interpreter)
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+FP8_MAX = tl.constexpr(448.0)
+KV_LORA = 512
+ROPE = 64
+LATENT = 576
+N_SCALES = 5
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused latent-cache write
+
+
+@triton.jit
+def _write_latent_kernel(
+    kv_ptr, w_ptr, cs_ptr, pos_ptr, slot_ptr, c_ptr, sc_ptr,
+    stride_kv, stride_cs, stride_cp, stride_cr, stride_sp, stride_sr,
+    page_size, eps,
+    FP8: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    page = slot // page_size
+    row = slot % page_size
+    d = tl.arange(0, KV_LORA)
+    x = tl.load(kv_ptr + token * stride_kv + d).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / KV_LORA + eps)
+    c = x * inv * tl.load(w_ptr + d).to(tl.float32)
+    j = tl.arange(0, ROPE // 2)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + j).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + ROPE // 2 + j).to(tl.float32)
+    x1 = tl.load(kv_ptr + token * stride_kv + KV_LORA + 2 * j).to(tl.float32)
+    x2 = tl.load(kv_ptr + token * stride_kv + KV_LORA + 2 * j + 1).to(tl.float32)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    dst = c_ptr + page * stride_cp + row * stride_cr
+    if FP8:
+        # scales: max|x| / 448 per 128 values (4 groups of c_kv, 1 for the 64 rope values); 1 for a zero group
+        g = tl.reshape(tl.abs(c), (KV_LORA // 128, 128))
+        s_c = tl.max(g, 1) / FP8_MAX
+        s_c = tl.where(s_c > 0, s_c, 1.0)
+        s_pe = tl.maximum(tl.max(tl.abs(y1), 0), tl.max(tl.abs(y2), 0)) / FP8_MAX
+        s_pe = tl.where(s_pe > 0, s_pe, 1.0)
+        gi = tl.arange(0, KV_LORA // 128)
+        sdst = sc_ptr + page * stride_sp + row * stride_sr
+        tl.store(sdst + gi, s_c)
+        tl.store(sdst + KV_LORA // 128, s_pe)
+        full = tl.reshape(tl.broadcast_to(s_c[:, None], (KV_LORA // 128, 128)), (KV_LORA,))
+        # IEEE division, as torch divides (see attention.kernels._write_rows)
+        qc = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(c, full), -FP8_MAX), FP8_MAX))
+        s_pe_v = tl.broadcast_to(s_pe, y1.shape)
+        q1 = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(y1, s_pe_v), -FP8_MAX), FP8_MAX))
+        q2 = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(y2, s_pe_v), -FP8_MAX), FP8_MAX))
+        tl.store(dst + d, qc.to(c_ptr.dtype.element_ty))
+        tl.store(dst + KV_LORA + 2 * j, q1.to(c_ptr.dtype.element_ty))
+        tl.store(dst + KV_LORA + 2 * j + 1, q2.to(c_ptr.dtype.element_ty))
+    else:
+        tl.store(dst + d, c.to(c_ptr.dtype.element_ty))
+        tl.store(dst + KV_LORA + 2 * j, y1.to(c_ptr.dtype.element_ty))
+        tl.store(dst + KV_LORA + 2 * j + 1, y2.to(c_ptr.dtype.element_ty))
+
+
+def write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, cache, cache_scales, eps):
+    n = kv.shape[0]
+    if n == 0:
+        return
+    fp8 = cache_scales is not None
+    _write_latent_kernel[(n,)](
+        kv, weight, cos_sin_cache, positions, slot_mapping, cache, cache_scales,
+        kv.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1),
+        cache_scales.stride(0) if fp8 else 0, cache_scales.stride(1) if fp8 else 0,
+        cache.shape[1], float(eps), FP8=fp8, KV_LORA=KV_LORA, ROPE=ROPE, num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# absorbed paged decode
+
+
+@triton.jit
+def _split_range(seq_len, split, chunk_min, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, end) of split `split` and the number of non-empty splits, from the length alone: chunks
+    of chunk_min keys (the same for every sequence), longer where NUM_SPLITS of them would not cover it."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, chunk_min)
+    n_valid = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    return start, end, n_valid
+
+
+@triton.jit
+def _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
+              stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+              FP8: tl.constexpr, KV_LORA: tl.constexpr):
+    kn = n0 + offs_n
+    valid = kn < end
+    page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
+    slot = kn % page_size
+    rows = c_ptr + page * stride_cp + slot * stride_cr
+    if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
+        srow = s_ptr + page * stride_sp + slot * stride_sr
+        sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
+        spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
+        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
+        kc = tl.where(valid[:, None], kc * sc, 0.0).to(q_lat.dtype)
+        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
+        kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(q_lat.dtype)
+    else:
+        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
+    qk = tl.dot(q_lat, tl.trans(kc))
+    qk = tl.dot(q_pe, tl.trans(kp), qk)
+    s = qk * qk_scale
+    s = tl.where(valid[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _mla_decode_kernel(
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
+    stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
+    n_new, heads, page_size, qk_scale, chunk_min,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """o_ptr/lse_ptr: the final output (NUM_SPLITS == 1) or the fp32 partials [.., split, ..]."""
+    m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
+    split = tl.program_id(1)
+    batch = tl.program_id(2)
+    seq_len = tl.load(len_ptr + batch)
+    start, end, n_valid = _split_range(seq_len, split, chunk_min, NUM_SPLITS, BLOCK_N)
+    if NUM_SPLITS > 1:
+        if split >= n_valid:  # the merge kernel skips these splits
+            return
+    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = r // heads
+    head = r % heads
+    row_ok = r < n_new * heads
+    offs_c = tl.arange(0, KV_LORA)
+    offs_p = tl.arange(0, ROPE)
+    b64 = batch.to(tl.int64)
+    q_lat = tl.load(qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
+                    + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(qp_ptr + b64 * stride_qpb + tok[:, None] * stride_qpt + head[:, None] * stride_qph
+                   + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+    pos = seq_len - n_new + tok  # causal among the new tokens
+    bt_row = bt_ptr + b64 * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, KV_LORA], tl.float32)
+    if INTERPRET:  # the interpreter cannot take tensor range() bounds
+        n0 = start
+        while n0 < end:
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
+                                      stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+                                      FP8, KV_LORA)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
+                                      stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+                                      FP8, KV_LORA)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_ptrs = (o_ptr + b64 * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+              + offs_c[None, :])
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        tl.store(lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_o_ptr, part_l_ptr, len_ptr, o_ptr, lse_ptr,
+    stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+    heads, chunk_min,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits."""
+    batch = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    seq_len = tl.load(len_ptr + batch)
+    _, _, n_valid = _split_range(seq_len, 0, chunk_min, NUM_SPLITS, BLOCK_N)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, KV_LORA)
+    s_ok = s < n_valid
+    lse_s = tl.load(part_l_ptr + batch * stride_plb + tok * stride_plt + head * stride_plh + s * stride_pls,
+                    mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    o_s = tl.load(part_o_ptr + batch * stride_pb + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps
+                  + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + batch * stride_ob + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
+
+
+_SM_COUNT = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (cached); the interpreter pretends to have 8."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, 512-wide partial write, merge) dominate
+MAX_SPLITS = 64
+
+
+def decode_config(rows: int):
+    """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
+    BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, and how many
+    programs fit on one SM (shared memory: stages × BLOCK_N × 1152 B); see benchmarks/NOTES.md (issue 6)."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    if block_m >= 64:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, PROGRAMS_PER_SM=1)
+    if block_m >= 32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)
+
+
+def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int) -> int:
+    """Splits of the key range so that batch × m_blocks × splits programs fill the GPU about once
+    (num_sms × programs per SM), each split keeping ≥ MIN_KEYS_PER_SPLIT keys. Shapes only (CUDA graphs)."""
+    programs = max(1, batch * m_blocks)
+    fill = triton.cdiv(num_sms * per_sm, programs)
+    fit = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(fill, fit, MAX_SPLITS))
+
+
+def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
+    if num_splits <= 1:
+        return 0
+    return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+
+
+def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context,
+               config=None):
+    """q_nope [B, Q, H, 512], q_pe [B, Q, H, 64] → (o [B, Q, H, 512] in q's dtype, lse fp32 [B, Q, H])."""
+    batch, n_new, heads, _ = q_nope.shape
+    o = torch.empty(batch, n_new, heads, KV_LORA, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(batch, n_new, heads, dtype=torch.float32, device=q_nope.device)
+    if o.numel() == 0:
+        return o, lse
+    cfg = dict(config or decode_config(n_new * heads))
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
+    if not num_splits:
+        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm)
+    chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
+    fp8 = cache_scales is not None
+    sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
+    if num_splits == 1:
+        out, out_l, os_, ls = o, lse, (*o.stride()[:3], 0), (*lse.stride(), 0)
+    else:
+        out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=torch.float32, device=o.device)
+        out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
+        os_, ls = out.stride()[:4], out_l.stride()
+    _mla_decode_kernel[(m_blocks, num_splits, batch)](
+        q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
+        *os_, *ls, n_new, heads, cache.shape[1], scale * LOG2E, chunk_min,
+        NUM_SPLITS=num_splits, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
+    )
+    if num_splits > 1:
+        _mla_merge_kernel[(batch, n_new * heads)](
+            out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
+            heads, chunk_min, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), KV_LORA=KV_LORA,
+            BLOCK_N=cfg["BLOCK_N"], num_warps=4,
+        )
+    return o, lse

@@ -1,0 +1,122 @@
+"""Absorbed MLA decode (Triton kernel through the interpreter, fp16) against the float64 reference."""
+
+import pytest
+import torch
+
+from lmkernels.ops.mla import kernels, mla_decode, reference
+
+SCALE = 192 ** -0.5
+
+
+def _setup(lens, heads, n_new, page, dtype=torch.float16, fp8=False, spare_pages=3):
+    batch = len(lens)
+    width = max(1, max(-(-n // page) for n in lens))
+    num_pages = batch * width + spare_pages
+    tables = torch.randperm(num_pages)[: batch * width].view(batch, width).to(torch.int32)
+    rows = torch.randn(num_pages, page, 576, dtype=torch.float32)
+    rows[..., :512] *= 1.0
+    scales = None
+    if fp8:
+        cache, scales = reference.quantize_rows(rows)
+    else:
+        cache = rows.to(dtype)
+    q_nope = (torch.randn(batch, n_new, heads, 512) / 512 ** 0.25).to(dtype)
+    q_pe = (torch.randn(batch, n_new, heads, 64) / 64 ** 0.25).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return q_nope, q_pe, cache, scales, tables, seq_lens
+
+
+def _check(q_nope, q_pe, cache, scales, tables, seq_lens, tol=2e-3, **kw):
+    o, lse = mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, cache_scales=scales, **kw)
+    want_o, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE, scales)
+    assert o.shape == q_nope.shape and o.dtype == q_nope.dtype and lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    err = (o.double() - want_o).norm() / want_o.norm().clamp(min=1e-30)
+    assert err < tol, err
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
+    assert (o[~fin] == 0).all()
+    return o, lse
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_decode_ragged_pages(page):
+    """Different context per sequence, lengths not multiples of the page size, a shuffled page table."""
+    _check(*_setup([1, 45, 130, 77], heads=16, n_new=1, page=page))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_splits_mtp(num_splits):
+    """Two query tokens per sequence (MTP), causal among them; a length-1 sequence leaves its first query
+    with no key (o = 0, lse = −inf); a length-0 sequence (padding) gives zeros."""
+    _check(*_setup([150, 1, 0, 67], heads=16, n_new=2, page=16), num_splits=num_splits, max_seqlen_k=160)
+
+
+def test_decode_128_heads():
+    """128 heads: two 64-row blocks per sequence; tiny context."""
+    _check(*_setup([40, 19], heads=128, n_new=1, page=16), num_splits=2)
+
+
+def test_decode_rows_not_multiple_of_block():
+    """24 rows (12 heads × 2 tokens) in a 32-row tile; a small max_seqlen_k below the real lengths only makes
+    the split chunks longer."""
+    _check(*_setup([100, 33], heads=12, n_new=2, page=16), max_seqlen_k=40)
+
+
+def test_decode_fp8():
+    """FP8 cache: exact against the reference on the dequantised cache; against the unquantised rows within
+    the stated tolerance (5e-2 relative: e4m3 keeps 3 mantissa bits)."""
+    q_nope, q_pe, cache, scales, tables, seq_lens = _setup([90, 37, 64], heads=16, n_new=1, page=16, fp8=True)
+    o, _ = _check(q_nope, q_pe, cache, scales, tables, seq_lens, num_splits=2)
+    exact = reference.dequantize_rows(cache, scales)  # the rows before quantisation are close to these
+    raw_o, _ = reference.mla_decode(q_nope, q_pe, exact.half(), tables, seq_lens, SCALE)
+    err = (o.double() - raw_o).norm() / raw_o.norm()
+    assert err < 5e-2
+
+
+def test_decode_fp8_vs_unquantised():
+    q_nope, q_pe, rows16, _, tables, seq_lens = _setup([70, 40], heads=16, n_new=1, page=16)
+    values, scales = reference.quantize_rows(rows16.float())
+    o, _ = mla_decode(q_nope, q_pe, values, tables, seq_lens, scale=SCALE, cache_scales=scales)
+    want, _ = reference.mla_decode(q_nope, q_pe, rows16, tables, seq_lens, SCALE)
+    err = (o.double() - want).norm() / want.norm()
+    assert err < 5e-2, err
+
+
+def test_split_heuristic():
+    cfg = kernels.decode_config(16)
+    assert cfg["BLOCK_M"] == 16
+    assert kernels.decode_config(128)["BLOCK_M"] == 64
+    assert kernels.decode_num_splits(1, 1, 8192, 132, 2) == 32  # 8192 / 256
+    assert kernels.decode_num_splits(128, 2, 8192, 132, 1) == 1
+    assert kernels.decode_num_splits(32, 1, 32768, 132, 2) == 9
+    assert kernels.decode_num_splits(1, 1, 100, 132, 2) == 1
+
+
+def test_decode_bad_inputs():
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup([20, 5], heads=16, n_new=1, page=16)
+    with pytest.raises(ValueError, match="latent_cache"):
+        mla_decode(q_nope, q_pe, cache[..., :512].contiguous(), tables, seq_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="page table is too short"):
+        mla_decode(q_nope, q_pe, cache, tables, torch.tensor([20, 40], dtype=torch.int32), scale=SCALE)
+    with pytest.raises(ValueError, match="q_nope_absorbed"):
+        mla_decode(q_nope[..., :128], q_pe, cache, tables, seq_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="q_pe"):
+        mla_decode(q_nope, q_pe[..., :32], cache, tables, seq_lens, scale=SCALE)
+    with pytest.raises(TypeError, match="latent_cache"):
+        mla_decode(q_nope, q_pe, cache.float(), tables, seq_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="block_tables"):
+        mla_decode(q_nope, q_pe, cache, tables[:1], seq_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="block_tables\\[0\\]"):
+        mla_decode(q_nope, q_pe, cache, torch.full_like(tables, 99), seq_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens[:1], scale=SCALE)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, num_splits=65)
+    with pytest.raises(ValueError, match="scale"):
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=0.0)
+    with pytest.raises(ValueError, match="cache_scales"):
+        mla_decode(q_nope, q_pe, cache.to(torch.float8_e4m3fn), tables, seq_lens, scale=SCALE)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        mla_decode(q_nope.float(), q_pe.float(), cache.float(), tables, seq_lens, scale=SCALE)
