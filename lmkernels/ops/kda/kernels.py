@@ -1,0 +1,348 @@
+"""KDA Triton kernels: chunked prefill (two kernels) and the recurrent decode.
+
+Prefill, chunks of BT = 64 tokens that never cross a sequence boundary:
+1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused L2 norm of q/k, gate, β sigmoid;
+   Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
+   lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
+   W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V, Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ), e^Γ_C.
+   exp(Γ_i − Γ_j) is never split around a point outside [j, i]: pairs in different 16-token sub-chunks use
+   the start of i's sub-chunk as reference (both factors ≤ 1); pairs inside one sub-chunk use the
+   sub-chunk's middle when the gate is bounded (fused safe gate, lower_bound ≥ −10: factors ≤ e^{8|lb|}),
+   otherwise one exponent per (i, j, d) (general gates, slower).
+2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks):
+   Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read from
+   and written to a state pool.
+Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._utils import interpreting
+
+BT = 64  # chunk
+BS = 16  # sub-chunk
+SAFE_MIN_LOWER_BOUND = -10.0
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def _gate(x, a, lower_bound, GATE: tl.constexpr):
+    if GATE == 1:
+        x = -a * _softplus(x)
+    elif GATE == 2:
+        x = lower_bound * tl.sigmoid(a * x)
+    return x
+
+
+@triton.jit
+def _kda_intra(
+    q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, aqk, gl, chunks,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+    scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
+    PREC: tl.constexpr, NSQ: tl.constexpr,
+):
+    ic = tl.program_id(0)
+    hh = tl.program_id(1)
+    start = tl.load(chunks + 2 * ic).to(tl.int64)
+    n = tl.load(chunks + 2 * ic + 1)
+    r = tl.arange(0, BT)
+    dk = tl.arange(0, K)
+    dv = tl.arange(0, V)
+    rm = r < n
+    tok = start + r
+    bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bg = tl.load(g + tok[:, None] * s_gt + hh * s_gh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bb = tl.load(beta + tok * s_bt + hh * s_bh, mask=rm, other=0.0).to(tl.float32)
+    rq = tl.full([BT], 1.0, tl.float32)
+    rk = tl.full([BT], 1.0, tl.float32)
+    if L2:
+        rq = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
+        bq = bq * rq[:, None]
+        bk = bk * rk[:, None]
+    if BETA_SIG:
+        bb = tl.sigmoid(bb)
+    bb = tl.where(rm, bb, 0.0)
+    a = 1.0
+    bias = tl.zeros([K], tl.float32)
+    if GATE > 0:
+        a = tl.exp(tl.load(A_log + hh).to(tl.float32))
+        if HAS_BIAS:
+            bias = tl.load(dt_bias + hh * K + dk).to(tl.float32)
+        bg = _gate(bg + bias[None, :], a, lower_bound, GATE)
+    bg = tl.where(rm[:, None], bg, 0.0)
+
+    blk = r // BS
+    causal = r[:, None] > r[None, :]
+    causal_d = r[:, None] >= r[None, :]
+    A = tl.zeros([BT, BT], tl.float32)
+    Aq = tl.zeros([BT, BT], tl.float32)
+    if SAFE:
+        NB: tl.constexpr = BT // BS
+        g3 = tl.reshape(bg, [NB, BS, K])
+        Gl3 = tl.cumsum(g3, 1)  # Γ inside each sub-chunk
+        tot = tl.sum(g3, 1)  # [NB, K]
+        off = tl.cumsum(tot, 0) - tot  # Γ before each sub-chunk
+        G = tl.reshape(Gl3 + off[:, None, :], [BT, K])
+        Gl = tl.reshape(Gl3, [BT, K])
+        # pairs in different sub-chunks: reference = start of row i's sub-chunk
+        Kr = bk * tl.exp(Gl)
+        Qr = bq * (tl.exp(Gl) * scale)
+        nb = tl.arange(0, NB)
+        for ab in tl.static_range(1, NB):
+            Ra = tl.sum(tl.where(nb[:, None] == ab, off, 0.0), 0)  # [K]
+            cm = r < ab * BS
+            Kc = tl.where(cm[:, None], bk * tl.exp(tl.minimum(Ra[None, :] - G, 0.0)), 0.0)
+            rows = (blk == ab)[:, None]
+            A += tl.where(rows, tl.dot(Kr, tl.trans(Kc), input_precision=PREC), 0.0)
+            Aq += tl.where(rows, tl.dot(Qr, tl.trans(Kc), input_precision=PREC), 0.0)
+        # pairs inside one sub-chunk: reference = the sub-chunk's middle (bounded gate)
+        j3 = tl.arange(0, BS)
+        M3 = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, Gl3, 0.0), 1)  # [NB, K]
+        Mrow = tl.reshape(tl.broadcast_to(M3[:, None, :], [NB, BS, K]), [BT, K])
+        Dr = bk * tl.exp(Gl - Mrow)
+        Dc = bk * tl.exp(Mrow - Gl)
+        Dq = bq * (tl.exp(Gl - Mrow) * scale)
+        same = blk[:, None] == blk[None, :]
+        A += tl.where(same & causal, tl.dot(Dr, tl.trans(Dc), input_precision=PREC), 0.0)
+        Aq += tl.where(same & causal_d, tl.dot(Dq, tl.trans(Dc), input_precision=PREC), 0.0)
+    else:
+        G = tl.cumsum(bg, 0)
+        # one exponent per (i, j, d): walk the key channels, recomputing each gate column from memory
+        for d in range(K):
+            kc = tl.load(k + tok * s_kt + hh * s_kh + d, mask=rm, other=0.0).to(tl.float32) * rk
+            qc = tl.load(q + tok * s_qt + hh * s_qh + d, mask=rm, other=0.0).to(tl.float32) * (rq * scale)
+            gc = tl.load(g + tok * s_gt + hh * s_gh + d, mask=rm, other=0.0).to(tl.float32)
+            if GATE > 0:
+                bd = 0.0
+                if HAS_BIAS:
+                    bd = tl.load(dt_bias + hh * K + d).to(tl.float32)
+                gc = _gate(gc + bd, a, lower_bound, GATE)
+            gc = tl.where(rm, gc, 0.0)
+            Gc = tl.cumsum(gc, 0)
+            E = tl.exp(tl.where(causal_d, Gc[:, None] - Gc[None, :], float("-inf")))
+            A += tl.where(causal, kc[:, None] * kc[None, :] * E, 0.0)
+            Aq += qc[:, None] * kc[None, :] * E
+    A = A * bb[:, None]
+
+    # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular (A^BT = 0)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    Tm = eye - A
+    P = A
+    for _ in tl.static_range(NSQ):
+        P = tl.dot(P, P, input_precision=PREC)
+        Tm = tl.dot(Tm, eye + P, input_precision=PREC)
+
+    eG = tl.exp(G)
+    Wt = tl.dot(Tm, bk * eG * bb[:, None], input_precision=PREC)
+    Ut = tl.dot(Tm, bv * bb[:, None], input_precision=PREC)
+    Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
+    QG = bq * eG * scale
+    KG = bk * tl.exp(Glast[None, :] - G)
+    ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
+    tl.store(w + ot, Wt.to(w.dtype.element_ty), mask=rm[:, None])
+    tl.store(qg + ot, QG.to(qg.dtype.element_ty), mask=rm[:, None])
+    tl.store(kg + ot, KG.to(kg.dtype.element_ty), mask=rm[:, None])
+    tl.store(u + tok[:, None] * (H * V) + hh * V + dv[None, :], Ut.to(u.dtype.element_ty), mask=rm[:, None])
+    tl.store(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], Aq.to(aqk.dtype.element_ty), mask=rm[:, None])
+    tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
+
+
+@triton.jit
+def _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    dt = w.dtype.element_ty
+    tok = bos + c * BT + r
+    rm = tok < eos
+    ok = tok[:, None] * (H * K) + hh * K + dk[None, :]
+    bw = tl.load(w + ok, mask=rm[:, None], other=0.0)
+    bqg = tl.load(qg + ok, mask=rm[:, None], other=0.0)
+    bkg = tl.load(kg + ok, mask=rm[:, None], other=0.0)
+    bu = tl.load(u + tok[:, None] * (H * V) + hh * V + dv[None, :], mask=rm[:, None], other=0.0)
+    ba = tl.load(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], mask=rm[:, None], other=0.0)
+    bgl = tl.load(gl + ((c0 + c) * H + hh) * K + dk)
+    Sb = S.to(dt)
+    un = bu.to(tl.float32) - tl.dot(bw, Sb)
+    unb = un.to(dt)
+    ob = tl.dot(bqg, Sb) + tl.dot(ba, unb)
+    tl.store(o + tok[:, None] * s_ot + hh * s_oh + dv[None, :], ob.to(o.dtype.element_ty), mask=rm[:, None])
+    return S * bgl[:, None] + tl.dot(tl.trans(bkg), unb)
+
+
+@triton.jit
+def _kda_state(
+    w, u, qg, kg, aqk, gl, o, cu, chunk_off, h0, h0_idx, ht, ht_idx,
+    s_ot, s_oh, s_h0, s_ht,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    nn = tl.program_id(0)
+    hh = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + nn).to(tl.int64)
+    eos = tl.load(cu + nn + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + nn)
+    r = tl.arange(0, BT)
+    dk = tl.arange(0, K)
+    dv = iv * BV + tl.arange(0, BV)
+    S = tl.zeros([K, BV], tl.float32)
+    if HAS_H0:
+        i0 = tl.load(h0_idx + nn).to(tl.int64)
+        S = tl.load(h0 + i0 * s_h0 + hh * K * V + dk[:, None] * V + dv[None, :]).to(tl.float32)
+    nc = (eos - bos + BT - 1) // BT
+    if INTERPRET:  # numpy >= 2.4: the interpreter cannot use loaded scalars as range() bounds
+        c = 0
+        while c < nc:
+            S = _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H, K, V, BT)
+            c += 1
+    else:
+        for c in range(0, nc):
+            S = _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H, K, V, BT)
+    if STORE_HT:
+        i1 = tl.load(ht_idx + nn).to(tl.int64)
+        tl.store(ht + i1 * s_ht + hh * K * V + dk[:, None] * V + dv[None, :], S)
+
+
+@triton.jit
+def _kda_decode(
+    q, k, v, g, beta, A_log, dt_bias, o, pool, idx,
+    s_qn, s_qt, s_qh, s_kn, s_kt, s_kh, s_vn, s_vt, s_vh, s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, s_on, s_ot, s_oh,
+    s_p, scale, lower_bound,
+    Q: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr,
+):
+    nn = tl.program_id(0)
+    hh = tl.program_id(1)
+    iv = tl.program_id(2)
+    slot = tl.load(idx + nn).to(tl.int64)
+    if slot < 0:
+        return
+    dk = tl.arange(0, K)
+    dv = iv * BV + tl.arange(0, BV)
+    p = pool + slot * s_p + hh * K * V + dk[:, None] * V + dv[None, :]
+    S = tl.load(p)
+    a = 1.0
+    bias = tl.zeros([K], tl.float32)
+    if GATE > 0:
+        a = tl.exp(tl.load(A_log + hh).to(tl.float32))
+        if HAS_BIAS:
+            bias = tl.load(dt_bias + hh * K + dk).to(tl.float32)
+    for t in tl.static_range(Q):
+        bq = tl.load(q + nn * s_qn + t * s_qt + hh * s_qh + dk).to(tl.float32)
+        bk = tl.load(k + nn * s_kn + t * s_kt + hh * s_kh + dk).to(tl.float32)
+        bv = tl.load(v + nn * s_vn + t * s_vt + hh * s_vh + dv).to(tl.float32)
+        bg = tl.load(g + nn * s_gn + t * s_gt + hh * s_gh + dk).to(tl.float32)
+        bb = tl.load(beta + nn * s_bn + t * s_bt + hh * s_bh).to(tl.float32)
+        if L2:
+            bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
+            bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
+        if BETA_SIG:
+            bb = tl.sigmoid(bb)
+        if GATE > 0:
+            bg = _gate(bg + bias, a, lower_bound, GATE)
+        S = S * tl.exp(bg)[:, None]
+        un = (bv - tl.sum(S * bk[:, None], 0)) * bb
+        S = S + bk[:, None] * un[None, :]
+        ob = tl.sum(S * (bq * scale)[:, None], 0)
+        tl.store(o + nn * s_on + t * s_ot + hh * s_oh + dv, ob.to(o.dtype.element_ty))
+    tl.store(p, S)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launchers
+
+
+def prefill_config(K, V, n_seqs, heads):
+    """Launch parameters: (intra warps, intra stages, state block of V, state warps, state stages)."""
+    bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
+    return dict(intra_warps=8 if K >= 128 else 4, intra_stages=1, BV=min(bv, V), state_warps=4, state_stages=2,
+                PREC="tf32")
+
+
+def decode_config(K, V, n, heads):
+    bv = 16 if n * heads * (V // 32) < 1024 else 32
+    return dict(BV=min(bv, V), num_warps=4 if K * bv >= 4096 else 2)
+
+
+def _chunk_table(cu_list):
+    starts, offs = [], [0]
+    for s, e in zip(cu_list, cu_list[1:]):
+        for c in range(s, e, BT):
+            starts.append((c, min(BT, e - c)))
+        offs.append(len(starts))
+    return starts, offs
+
+
+def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_sig, h0, h0_idx, ht, ht_idx,
+            config=None):
+    """Packed tokens: q/k/g [T, H, K], v [T, H, V], beta [T, H]; cu int32 [N + 1] (any device).
+    Initial states from h0[h0_idx[n]] (fp32 [*, H, K, V]) when h0 is given; final states to ht[ht_idx[n]]."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    cu_list = cu.tolist()  # one host sync for CUDA offsets (prefill only)
+    n_seqs = len(cu_list) - 1
+    o = torch.empty(T, H, V, device=dev, dtype=v.dtype)
+    if n_seqs == 0 or (T == 0 and ht is None):
+        return o
+    cfg = dict(prefill_config(K, V, n_seqs, H), **(config or {}))
+    starts, offs = _chunk_table(cu_list)
+    nc = len(starts)
+    chunks = torch.tensor(starts if starts else [(0, 0)], dtype=torch.int32).to(dev)
+    chunk_off = torch.tensor(offs, dtype=torch.int32).to(dev)
+    cu32 = torch.tensor(cu_list, dtype=torch.int32).to(dev)
+    it = q.dtype
+    w = torch.empty(T, H, K, device=dev, dtype=it)
+    qg = torch.empty(T, H, K, device=dev, dtype=it)
+    kg = torch.empty(T, H, K, device=dev, dtype=it)
+    u = torch.empty(T, H, V, device=dev, dtype=it)
+    aqk = torch.empty(T, H, BT, device=dev, dtype=it)
+    gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
+    gate = 0 if A_log is None else (1 if lower_bound is None else 2)
+    safe = gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND
+    if nc:
+        _kda_intra[(nc, H)](
+            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+            w, u, qg, kg, aqk, gl, chunks,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
+            H=H, K=K, V=V, BT=BT, BS=BS, GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
+            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2, num_warps=cfg["intra_warps"],
+            num_stages=cfg["intra_stages"])
+    BV = cfg["BV"]
+    _kda_state[(n_seqs, H, V // BV)](
+        w, u, qg, kg, aqk, gl, o, cu32, chunk_off, h0 if h0 is not None else gl, h0_idx if h0 is not None else cu32,
+        ht if ht is not None else gl, ht_idx if ht is not None else cu32,
+        o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
+        H=H, K=K, V=V, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
+        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+    return o
+
+
+def decode(q, k, v, g, beta, pool, idx, scale, A_log, dt_bias, lower_bound, l2, beta_sig, config=None):
+    """q/k/g [N, Q, H, K], v [N, Q, H, V], beta [N, Q, H]; pool fp32 [P, H, K, V] updated in place."""
+    N, Q, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.zeros(N, Q, H, V, device=q.device, dtype=v.dtype)
+    if N == 0 or Q == 0:
+        return o
+    cfg = dict(decode_config(K, V, N, H), **(config or {}))
+    gate = 0 if A_log is None else (1 if lower_bound is None else 2)
+    BV = cfg["BV"]
+    _kda_decode[(N, H, V // BV)](
+        q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, o, pool, idx,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3], *o.stride()[:3],
+        pool.stride(0), float(scale), float(lower_bound or 0.0),
+        Q=Q, H=H, K=K, V=V, BV=BV, GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2), BETA_SIG=bool(beta_sig),
+        num_warps=cfg["num_warps"])
+    return o
