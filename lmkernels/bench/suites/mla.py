@@ -1,0 +1,246 @@
+"""MLA absorbed decode, bf16 latent cache [pages, 64, 576]: B ∈ {1, 32, 128} × context ∈ {1k, 8k, 32k} × heads
+∈ {16, 128}, one query token, plus two-token (MTP) rows, against SDPA on the materialised equivalent (MQA:
+q [B, H, Q, 576] against one KV head k [B, 1, S, 576], v = its first 512 columns, enable_gqa).
+
+Rows use the attention suite's schema. Memory-bound rows (heads × query tokens < 128): unit GB/s, bytes =
+latent cache rows read + q read + o written, goal ≥ 85% of the copy bandwidth measured in the same run.
+Compute-bound rows (heads × query tokens ≥ 128): unit TFLOP/s, FLOPs = B·Q·H·S·(2·576 + 2·512), goal ≥ 50%
+of the bf16 GEMM TFLOP/s measured in the same run; the report has no column for that ceiling, so its verdict
+is stored under goal["copy"] (the row's ceiling goal) with pct_gemm and a note saying so. No peer goal is
+stated (SDPA has no paged or latent decode; it reads a dense copy). Each implementation is checked before it
+is timed: ours against an fp32 reference of the same math (gathered dense) on the first input set, SDPA
+against ours' reference. FlexAttention is not run: head dims 576/512 and one compile per shape.
+"""
+
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from .. import harness, timing
+from ..counts import gbps, tflops
+from ..harness import log_line, rel_err, short_error
+
+PAGE = 64
+SCALE = 192 ** -0.5
+TOL = 1e-2
+COPY_GOAL = 0.85
+GEMM_GOAL = 0.50
+# (batch, context, heads, query tokens)
+DECODE = tuple((b, s, h, 1) for h in (16, 128) for b in (1, 32, 128) for s in (1024, 8192, 32768)) + (
+    (32, 8192, 16, 2), (32, 8192, 128, 2), (128, 8192, 16, 2))
+QUICK = ((1, 1024, 16, 1), (32, 8192, 16, 1), (32, 8192, 128, 1), (32, 8192, 16, 2))
+SDPA_BACKENDS = ("efficient", "cudnn", "flash", "math")
+MEM_FRACTION = 0.80  # skip a row whose tensors would exceed this share of free GPU memory
+_CEIL = {}
+
+
+def _dev():
+    return harness.device()
+
+
+def _dtype():
+    return torch.bfloat16 if _dev() == "cuda" else torch.float16
+
+
+def sdpa_fn(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def run(q, k, v, mask):
+        with sdpa_kernel(b):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+    return run
+
+
+def _inputs(batch, ctx, heads, n_new, dt, dev):
+    from ...ops.mla import new_latent_cache
+
+    width = -(-ctx // PAGE)
+    cache, _ = new_latent_cache(batch * width, PAGE, dtype=dt, device=dev)
+    cache.normal_()
+    tables = torch.randperm(batch * width, device=dev).to(torch.int32).view(batch, width)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q_nope = torch.randn(batch, n_new, heads, 512, device=dev, dtype=dt) / 512 ** 0.25
+    q_pe = torch.randn(batch, n_new, heads, 64, device=dev, dtype=dt) / 64 ** 0.25
+    return q_nope, q_pe, cache, tables, lens
+
+
+def _dense(cache, tables, ctx):
+    """The latent rows of each sequence as [B, 1, S, 576] (SDPA's layout; what a non-paged engine stores)."""
+    return cache[tables.long()].flatten(1, 2)[:, None, :ctx].contiguous()
+
+
+def _reference(q_nope, q_pe, dense, n_new):
+    """fp32 absorbed MQA on the dense rows: [B, Q, H, 512]."""
+    q = torch.cat((q_nope, q_pe), -1).float()  # [B, Q, H, 576]
+    k = dense[:, 0].float()  # [B, S, 576]
+    s = torch.einsum("bqhd,bsd->bqhs", q, k) * SCALE
+    ctx = k.shape[1]
+    pos = ctx - n_new + torch.arange(n_new, device=q.device)
+    s = s.masked_fill((torch.arange(ctx, device=q.device)[None, :] > pos[:, None])[:, None, :], float("-inf"))
+    return torch.einsum("bqhs,bsd->bqhd", torch.softmax(s, -1), k[..., :512])
+
+
+def _mask(n_new, ctx, dev):
+    if n_new == 1:
+        return None
+    pos = ctx - n_new + torch.arange(n_new, device=dev)
+    return torch.arange(ctx, device=dev)[None, :] <= pos[:, None]  # [Q, S] bool
+
+
+def _impl(name, kind, fn, sets, check, nbytes, flops):
+    res = {"name": name, "kind": kind}
+    try:
+        err = check(fn(*sets[0]))
+        res["err"] = err
+        if not err <= TOL:
+            res["wrong"] = f"rel err {err:.2e} > {TOL:.0e}"
+            return res
+        info = {}
+        res["ms"] = timing.time_ms(fn, sets, info=info)
+        res["timing"] = info.get("method")
+        res["gbps"] = gbps(nbytes, res["ms"])
+        res["tflops"] = tflops(flops, res["ms"])
+    except Exception as e:  # noqa: BLE001
+        res["missing"] = short_error(e)
+        if kind == "ours":
+            log_line(traceback.format_exc())
+    return res
+
+
+def decode_case(batch, ctx, heads, n_new):
+    from ...ops.mla import kernels, mla_decode
+
+    dt, dev = _dtype(), _dev()
+    label = f"B={batch} ctx={ctx} H={heads} Q={n_new}"
+    shape = [batch, ctx, heads, n_new, PAGE]
+    elem = torch.tensor([], dtype=dt).element_size()
+    cache_bytes = batch * ctx * 576 * elem
+    nbytes = cache_bytes + batch * n_new * heads * (576 + 512) * elem
+    flops = batch * n_new * heads * ctx * (2 * 576 + 2 * 512)
+    compute = heads * n_new >= 128
+    unit = "TFLOP/s" if compute else "GB/s"
+    base = {"op": "mla_decode", "label": label, "shape": shape, "dtype": "bfloat16", "bytes": nbytes, "flops": flops,
+            "unit": unit, "peers": [], "pct_copy": None, "best_peer": None, "best_peer_gbps": None, "ratio": None,
+            "goal": {"copy": None, "peer": None}}
+    n_sets = timing.rotation_count(nbytes, timing.l2_bytes() if dev == "cuda" else timing.DEFAULT_L2)
+    if dev == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        need = n_sets * cache_bytes + 2 * cache_bytes  # the sets, the dense copy for SDPA, its reference
+        if need > MEM_FRACTION * free:
+            n_sets = max(1, int((MEM_FRACTION * free - 2 * cache_bytes) // cache_bytes))
+            if n_sets * cache_bytes + 2 * cache_bytes > MEM_FRACTION * free:
+                return {**base, "status": "skipped", "failure": None, "ours": {},
+                        "note": f"{label}: skipped, needs {need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB free"}
+    sets = [_inputs(batch, ctx, heads, n_new, dt, dev) for _ in range(n_sets)]
+    q_nope, q_pe, cache, tables, lens = sets[0]
+    dense = _dense(cache, tables, ctx)
+    small = batch * n_new * heads * ctx <= (1 << 27)
+    want = _reference(q_nope, q_pe, dense, n_new) if small else None
+
+    def ours_fn(q_nope, q_pe, cache, tables, lens):
+        return mla_decode(q_nope, q_pe, cache, tables, lens, scale=SCALE, max_seqlen_k=ctx)[0]
+
+    ours_out = ours_fn(*sets[0]).float()
+    if want is None:  # too big for the fp32 reference: check batch entry 0 alone
+        want0 = _reference(q_nope[:1], q_pe[:1], dense[:1], n_new)
+        check = lambda o: rel_err(o[:1].float(), want0)  # noqa: E731
+    else:
+        check = lambda o: rel_err(o.float(), want)  # noqa: E731
+    ours = _impl("ours", "ours", ours_fn, sets, check, nbytes, flops)
+    if "ms" in ours:  # a second round: its spread shows the noise
+        ours["ms_first"] = ours["ms"]
+        ours["ms"] = min(ours["ms"], timing.time_ms(ours_fn, sets))
+        ours["gbps"], ours["tflops"] = gbps(nbytes, ours["ms"]), tflops(flops, ours["ms"])
+        ours["spread_pct"] = 100 * abs(ours["ms_first"] - ours["ms"]) / ours["ms"]
+    ref_o = ours_out if want is None else want
+    del sets
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    # SDPA on the dense rows: q [B, H, Q, 576] against k [B, 1, S, 576], v = k[..., :512]
+    qd = torch.cat((q_nope, q_pe), -1).transpose(1, 2)
+    vd = dense[..., :512]
+    mask = _mask(n_new, ctx, dev)
+    sdpa_check = lambda o: rel_err(o.transpose(1, 2).float(), ref_o)  # noqa: E731
+    peers = []
+    for b in (SDPA_BACKENDS if dev == "cuda" else ("math",)):
+        if b == "math" and batch * heads * n_new * ctx * 576 * 2 > (4 << 30):  # math repeats k per head
+            peers.append({"name": f"sdpa-{b}", "kind": "sdpa", "missing": "skipped: would materialise k per head"})
+            continue
+        peers.append(_impl(f"sdpa-{b}", "sdpa", lambda q, k, v, b=b: sdpa_fn(b)(q, k, v, mask),
+                           [(qd, dense, vd)], sdpa_check, nbytes, flops))
+    del dense, vd
+    cfg = kernels.decode_config(heads * n_new)
+    m_blocks = -(-heads * n_new // cfg["BLOCK_M"])
+    splits = kernels.decode_num_splits(batch, m_blocks, ctx, kernels.sm_count(q_nope.device), cfg["PROGRAMS_PER_SM"])
+    failure = ours.get("wrong") or ours.get("missing")
+    row = {**base, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers}
+    key = "tflops" if compute else "gbps"
+    timed = [p for p in peers if key in p]
+    best = max(timed, key=lambda p: p[key]) if timed else None
+    if best:
+        row["best_peer"], row["best_peer_gbps"] = best["name"], best["gbps"]
+    if not failure:
+        copy, gemm = _CEIL.get("copy_gbps"), _CEIL.get("gemm_bf16_tflops")
+        if copy:
+            row["pct_copy"] = 100 * ours["gbps"] / copy
+        if gemm:
+            row["pct_gemm"] = 100 * ours["tflops"] / gemm
+        if best:
+            row["ratio"] = ours[key] / best[key]
+        if compute and gemm:
+            row["goal"]["copy"] = bool(ours["tflops"] >= GEMM_GOAL * gemm)
+        elif not compute and copy:
+            row["goal"]["copy"] = bool(ours["gbps"] >= COPY_GOAL * copy)
+    goal_txt = (f"≥ {GEMM_GOAL:.0%} of bf16 GEMM (verdict under goal.copy)" if compute
+                else f"≥ {COPY_GOAL:.0%} of copy")
+    figs = ", ".join(f"{p['name']} {p[key]:.1f}" for p in peers if key in p) or "no SDPA backend ran"
+    ours_fig = f"{ours[key]:.1f}" if key in ours else "n/a"
+    extra = f"{row['pct_gemm']:.1f}% of GEMM, " if row.get("pct_gemm") is not None and compute else ""
+    row["note"] = (f"{label}: {unit} ours {ours_fig} ({extra}{ours.get('gbps', 0):.0f} GB/s, "
+                   f"{ours.get('tflops', 0):.1f} TFLOP/s), {figs}; goal {goal_txt}; page {PAGE}, "
+                   f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}, {splits} splits"
+                   + ("" if want is not None else "; checked on batch entry 0 (fp32 reference too large)"))
+    return row
+
+
+def cases(quick=False):
+    for b, s, h, q in (QUICK if quick else DECODE):
+        yield lambda b=b, s=s, h=h, q=q: decode_case(b, s, h, q)
+
+
+def run(result: dict, quick: bool = False, save=lambda: None) -> None:
+    _CEIL.clear()
+    _CEIL.update(result.get("ceilings") or {})
+    for build in cases(quick):
+        try:
+            row = build()
+        except Exception as e:  # noqa: BLE001
+            log_line(traceback.format_exc())
+            row = {"op": "mla_decode", "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
+                   "ours": {}, "peers": []}
+        result["rows"].append(row)
+        log_line(progress_line(row))
+        save()
+        if _dev() == "cuda":
+            torch.cuda.empty_cache()
+
+
+def progress_line(row: dict) -> str:
+    head = f"[mla] {row.get('label')}:"
+    if row.get("status") != "ok":
+        return f"{head} {row.get('status')} ({row.get('failure') or row.get('note')})"
+    parts = [f"ours {row['ours']['gbps']:.0f} GB/s {row['ours']['tflops']:.1f} TFLOP/s"]
+    if row.get("pct_copy") is not None:
+        parts.append(f"{row['pct_copy']:.1f}% of copy")
+    if row.get("pct_gemm") is not None:
+        parts.append(f"{row['pct_gemm']:.1f}% of GEMM")
+    for p in row["peers"]:
+        parts.append(f"{p['name']} {p['gbps']:.0f} GB/s" if "gbps" in p else f"{p['name']} n/a")
+    goal = row.get("goal") or {}
+    parts.append("goal " + ("met" if goal.get("copy") else "miss" if goal.get("copy") is False else "n/a"))
+    return f"{head} " + ", ".join(parts)
