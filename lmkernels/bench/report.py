@@ -123,11 +123,20 @@ def peer_names(rows) -> list:
     return names
 
 
+# a row's figure per implementation: the key holding it, from the row's unit (bandwidth rows have no unit)
+UNIT_KEYS = {"GB/s": "gbps", "TFLOP/s": "tflops", "tokens/s": "tokens_per_s"}
+
+
+def value_key(row) -> str:
+    return UNIT_KEYS.get(row.get("unit", "GB/s"), "gbps")
+
+
 def peer_cell(row, name) -> str:
+    key = value_key(row)
     for p in row.get("peers", []):
         if p["name"] == name:
-            if "gbps" in p:
-                return f"{p['gbps']:.0f}"
+            if key in p:
+                return f"{p[key]:.0f}"
             if "wrong" in p:
                 return "wrong"
             return "n/a"
@@ -137,7 +146,7 @@ def peer_cell(row, name) -> str:
 def ours_cell(row) -> str:
     if row.get("status") != "ok":
         return "FAILED"
-    return f"{row['ours']['gbps']:.0f}"
+    return f"{row['ours'][value_key(row)]:.0f}"
 
 
 def ratio_cell(row) -> str:
@@ -147,18 +156,23 @@ def ratio_cell(row) -> str:
 def best_cell(row) -> str:
     if row.get("best_peer") is None:
         return "–"
-    return f"{row['best_peer']} {row['best_peer_gbps']:.0f}"
+    best = next((p for p in row.get("peers", []) if p["name"] == row["best_peer"]), {})
+    value = best.get(value_key(row), row.get("best_peer_gbps"))
+    return f"{row['best_peer']} {value:.0f}"
 
 
 def table_rows(result: dict):
-    """(header, rows of cells) for the main table of a suite result."""
+    """(header, rows of cells) for the main table of a suite result; figures in each row's unit."""
     rows = result.get("rows", [])
     names = peer_names(rows)
-    header = ["op", "shape", "dtype", "ours GB/s", "% of copy", *names, "best (compile/Liger)", "ours / best", "goal"]
+    units = any("unit" in row for row in rows)
+    header = ["op", "shape", "dtype", *(["unit"] if units else []), "ours" if units else "ours GB/s", "% of copy",
+              *names, "best peer" if units else "best (compile/Liger)", "ours / best", "goal"]
     body = []
     for row in rows:
         body.append([
-            row.get("op", "?"), row.get("label", "?"), row.get("dtype", ""), ours_cell(row),
+            row.get("op", "?"), row.get("label", "?"), row.get("dtype", ""),
+            *([row.get("unit", "GB/s")] if units else []), ours_cell(row),
             _num(row.get("pct_copy"), "{:.1f}%"), *[peer_cell(row, n) for n in names],
             best_cell(row), ratio_cell(row), goal_text(row),
         ])
@@ -290,11 +304,16 @@ def _sweep_cells(s, keys):
 # outputs
 
 
+def goal_summary(result: dict) -> str:
+    """The suite's own goal text (suites with other units and peers set result["goal_text"]), else the default."""
+    return result.get("goal_text") or (f"≥ {COPY_GOAL:.0%} of copy and ≥ {PEER_GOAL:.1f}x the best of "
+                                       "torch.compile / Liger")
+
+
 def print_table(result: dict, file=None) -> None:
     file = file or sys.stdout
     print(f"\n== {result['suite']} on {result['gpu']} — {run_text(result)}", file=file)
-    print(f"   ceilings: {ceilings_text(result)}; goal: ≥ {COPY_GOAL:.0%} of copy and ≥ {PEER_GOAL:.1f}x the best "
-          f"of torch.compile / Liger", file=file)
+    print(f"   ceilings: {ceilings_text(result)}; goal: {goal_summary(result)}", file=file)
     if result.get("rows"):
         header, body = table_rows(result)
         for line in _text_table(header, body):
@@ -322,14 +341,16 @@ def render_markdown(results: list, results_dir: str = "benchmarks/results") -> s
         "(rerun the benchmarks, or regenerate it with `python -c \"from lmkernels.bench.report import "
         f"write_markdown; write_markdown('{results_dir}', 'BENCHMARKS.md')\"`).",
         "",
-        "Figures are GB/s with bytes counted once per input read and output written (the same count for "
+        "Figures are GB/s (unless a row names another unit) with bytes counted once per input read and output "
+        "written (the same count for "
         "every implementation of a row, so GB/s ratios are inverse time ratios); timings are "
         "`triton.testing.do_bench` medians of CUDA-graph replays (GPU time, no Python launch cost; every "
         "implementation alike) with inputs rotated through sets larger than L2. "
         f"Goal per row: ours ≥ {COPY_GOAL:.0%} of the device-to-device copy bandwidth measured in the same run, "
         f"and ≥ {PEER_GOAL:.1f}x the best of torch.compile and Liger Kernel (eager peers are shown for "
         "reference). \"n/a\": the peer could not run here (reason below the table); \"wrong\": its output "
-        "failed the correctness check, so it was not timed; \"—\": not a peer of that row.",
+        "failed the correctness check, so it was not timed; \"—\": not a peer of that row. Suites with other "
+        "goals (attention, kda, mla, engine) state them under their heading.",
     ]
     if not results:
         lines += ["", "No results yet: run `lmkernels bench <suite>` on a CUDA GPU."]
@@ -341,6 +362,8 @@ def render_markdown(results: list, results_dir: str = "benchmarks/results") -> s
         for r in runs:
             lines += ["", f"### {r.get('suite', '?')}", "", f"{run_text(r)}.  ", f"Ceilings measured in this run: "
                       f"{ceilings_text(r)}."]
+            if r.get("goal_text"):
+                lines += [f"Goals: {r['goal_text']}."]
             if r.get("rows"):
                 header, body = table_rows(r)
                 lines += [""] + _md_table(header, body)

@@ -19,7 +19,7 @@ FP8_TOL = 5e-2
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    def cfg(dqk, dv, rows):
+    def cfg(dqk, dv, rows, **kw):
         return dict(BLOCK_M=max(16, triton_next_pow2(rows)), BLOCK_N=16, num_warps=4, num_stages=1)
 
     monkeypatch.setattr(kernels, "decode_config", cfg)
@@ -196,6 +196,9 @@ def test_launch_does_not_depend_on_lengths(monkeypatch):
         if splits is None:
             (name, grid, _), = seen[0]
             assert name == "_decode_persistent_kernel" and grid == (2 * 3,)  # PROGRAMS_PER_SM × SMs
+            launches.clear()  # one sequence: split-KV by the heuristic (nothing to balance)
+            attention_decode(q[:1], k_cache, v_cache, tables[:1], torch.tensor([300], dtype=torch.int32))
+            assert [x[0] for x in launches] == ["_decode_kernel", "_decode_merge_kernel"]
         else:
             assert [x[0] for x in seen[0]] == ["_decode_kernel", "_decode_merge_kernel"]
             assert seen[0][0][2]["NUM_SPLITS"] == 4
@@ -211,7 +214,7 @@ def test_launch_does_not_depend_on_lengths(monkeypatch):
 def test_persistent_schedule(monkeypatch, poison, programs, lens, hq, hk, q_per_seq):
     """Stream-K decode on fixed grids: segments split over many programs (merged by the last one to arrive)
     and programs covering many segments; the counters are back to zero after every launch."""
-    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows: dict(
+    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows, **kw: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=programs))
     k_cache, v_cache, tables, seq_lens = paged(lens, hk)
     q = torch.randn(len(lens), q_per_seq, hq, 64, dtype=DT)
@@ -224,7 +227,7 @@ def test_persistent_schedule(monkeypatch, poison, programs, lens, hq, hk, q_per_
 
 
 def test_persistent_window_softcap_fp8(monkeypatch):
-    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows: dict(
+    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows, **kw: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=7))
     lens = [75, 6, 33]
     k_hi, v_hi, tables, seq_lens = paged(lens, 2, page_size=16)

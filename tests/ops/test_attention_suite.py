@@ -32,7 +32,7 @@ def dry_run(monkeypatch):
                                                 ("B=2 fp8", (33, 33), 16, True)))
     small = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     monkeypatch.setattr(kernels, "prefill_config", lambda dqk, dv, m: dict(small))
-    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows: dict(small, BLOCK_M=16, PROGRAMS_PER_SM=1))
+    monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows, **kw: dict(small, BLOCK_M=16, PROGRAMS_PER_SM=1))
     return calls
 
 

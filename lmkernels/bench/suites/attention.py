@@ -313,9 +313,10 @@ def decode_case(label, lens, page, fp8):
         goals, goal_text = {"copy": harness.COPY_GOAL, "peer": 1.0}, "≥ 1.0x SDPA and ≥ 90% of copy"
     if fp8:
         goals, goal_text = {"copy": harness.COPY_GOAL}, "≥ 90% of copy (fp8 bytes; SDPA reads bf16)"
-    cfg = kernels.decode_config(HEAD_DIM, HEAD_DIM, HQ // HK)
+    cfg = kernels.decode_config(HEAD_DIM, HEAD_DIM, HQ // HK, fp8=fp8, single=batch == 1)
+    schedule = "split-KV" if batch == 1 else f"persistent stream-K, {cfg['PROGRAMS_PER_SM']} programs per SM"
     note = (f"{label}: KV " + _rate_note(ours, peers, "GB/s", goal_text)
-            + f" (persistent stream-K, {cfg['PROGRAMS_PER_SM']} programs per SM, {cfg['BLOCK_N']}-key tiles"
+            + f" ({schedule}, {cfg['BLOCK_N']}-key tiles, {cfg['num_stages']} stages"
             + (", no SDPA peer: SDPA has no ragged decode" if not uniform else
                ", no peer: SDPA has no fp8 KV" if fp8 else ", SDPA on contiguous caches") + ")")
     del sets
@@ -338,7 +339,12 @@ def cases(quick: bool = False):
         yield lambda label=label, lens=lens, page=page, fp8=fp8: decode_case(label, list(lens), page, fp8)
 
 
+GOAL_TEXT = ("prefill ≥ 1.0x SDPA cuDNN (TFLOP/s); decode (GB/s of KV read) B=1 ≥ 2x SDPA, B=32 and B=64 ≥ 1.0x "
+             "SDPA and ≥ 90% of copy, skewed batch ≥ 80% of copy")
+
+
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:
+    result["goal_text"] = GOAL_TEXT
     _COPY["gbps"] = (result.get("ceilings") or {}).get("copy_gbps")
     for build in cases(quick):
         try:

@@ -458,11 +458,61 @@ def bench_decode(dev, copy_gbs, sweep):
          f"{kv_bytes / ms / 1e6 / copy_gbs:.0%} of copy")
 
 
+def sweep_decode(dev, copy_gbs):
+    """Decode schedules and tiles on the batches where the heuristic's choice was below its goal: B=1 at 8k,
+    the skewed batch, the FP8 cache; B=32 at 4k as the control. Inputs rotate past L2 (lmkernels.bench.timing)."""
+    from lmkernels.bench import timing
+
+    from . import kernels
+
+    scale = 128 ** -0.5
+    batches = (("B=1 ctx=8192", [8192], False), ("B=32 ctx=4096", [4096] * 32, False),
+               ("skewed 1x32k+31x512", [32768] + [512] * 31, False), ("B=32 ctx=4096 fp8", [4096] * 32, True))
+    bf16_cfgs = ((128, 3, 4), (64, 5, 4), (128, 4, 4))
+    fp8_cfgs = ((128, 3, 4), (128, 5, 4), (64, 7, 4), (64, 9, 4), (256, 3, 8))
+    print("\ndecode sweep (GB/s of KV read; persistent: programs, tile, stages, warps; split: splits)")
+    for tag, lens, fp8 in batches:
+        elem = 1 if fp8 else 2
+        kv_bytes = sum(lens) * 8 * 128 * 2 * elem
+        n_sets = timing.rotation_count(kv_bytes, timing.l2_bytes())
+        sets = []
+        for _ in range(n_sets):
+            kc, vc, tables, seq_lens = _paged(lens, 8, 128, 16, torch.bfloat16, dev)
+            ks = vs = None
+            if fp8:
+                ks, vs = torch.rand(8, device=dev) * 0.01 + 0.005, torch.rand(8, device=dev) * 0.01 + 0.005
+                kc = (kc.float() / ks[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                vc = (vc.float() / vs[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q = torch.randn(len(lens), 1, 32, 128, device=dev, dtype=torch.bfloat16)
+            sets.append((q, kc, vc, tables, seq_lens, ks, vs))
+        ctx = max(lens)
+        variants = []
+        for n_prog in (132, 264, 396):
+            for bn, st, w in (fp8_cfgs if fp8 else bf16_cfgs):
+                variants.append((f"persistent p{n_prog} n{bn} s{st} w{w}",
+                                 None, dict(BLOCK_M=16, BLOCK_N=bn, num_warps=w, num_stages=st, PROGRAMS=n_prog)))
+        for ns in ((8, 16, 32, 64) if len(lens) == 1 else (1, 2, 4)):
+            variants.append((f"split {ns} n64 s5", ns, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=5)))
+        for name, ns, cfg in variants:
+            def call(q, kc, vc, tables, seq_lens, ks, vs, ns=ns, cfg=cfg):
+                return kernels.decode(q, kc, vc, tables, seq_lens, scale, (-1, -1), 0.0, ns, ctx, ks, vs, False,
+                                      config=dict(cfg))
+            try:
+                ms = timing.time_ms(call, sets)
+                _row("decode-sweep", f"{tag} {name}", ms, kv_bytes / ms / 1e6, "GB/s",
+                     f"{kv_bytes / ms / 1e6 / copy_gbs:.0%} of copy")
+            except Exception as e:
+                print(f"  {tag} {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--bench-only", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    p.add_argument("--sweep-decode", action="store_true", help="only the decode schedule/tile sweep")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run the checks at tiny sizes in fp16 through the Triton interpreter (no GPU needed)")
@@ -481,6 +531,9 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(dev)
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
           f"torch {torch.__version__}, triton {triton.__version__}")
+    if args.sweep_decode:
+        sweep_decode(dev, copy_bandwidth(dev))
+        return 0
     t0 = time.time()
     failures = 0 if args.bench_only else run_checks(dev)
     print(f"(checks {time.time() - t0:.0f}s)")

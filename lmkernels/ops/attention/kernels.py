@@ -1,7 +1,7 @@
 """Triton kernels for attention: prefill (FlashAttention-2), paged decode (FlashDecoding), KV-cache writes, merges.
 
-Prefill: a program owns BLOCK_M queries of one query head of one sequence (grid: query blocks × query
-heads × batch, the longest causal blocks first). It streams the keys of its kv head in BLOCK_N tiles
+Prefill: a program owns BLOCK_M queries of one query head of one sequence (grid: query heads × query
+blocks × batch, the longest causal blocks first). It streams the keys of its kv head in BLOCK_N tiles
 with the online softmax in base 2 (scores pre-multiplied by scale·log2 e, fp32 accumulators), and visits
 only the key tiles its rows may see: tiles above the causal diagonal, right of the right window edge or
 left of the left window edge are never loaded. Of the visited tiles, only those that cut the diagonal,
@@ -203,9 +203,11 @@ def _prefill_kernel(
 ):
     """Keys: packed (VARLEN, cu_k_ptr = offsets), dense, or paged (PAGED: cu_k_ptr = seq_lens, k/v = caches
     [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride)."""
-    # Heaviest causal blocks (the last queries) first, so the short ones fill the tail of the grid.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    # The block scheduler launches programs x-fastest: the heaviest causal blocks (the last queries) of every
+    # head first, the short ones last so they fill the tail of the grid; the q heads of one kv head run side
+    # by side (their keys are read once from DRAM, then from L2).
+    head = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     batch = tl.program_id(2)
     k_start = tl.full([], 0, tl.int32)
     if VARLEN:
@@ -391,7 +393,7 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
     fp8 = k_scale is not None
     qk_scale = scale * LOG2E
     cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0 else (0.0, 0.0)
-    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), hq, batch)
+    grid = (hq, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch)
     _prefill_kernel[grid](
         q, k, v, o, lse if return_lse else None, cu_q, cu_k, block_tables, k_scale, v_scale, seqlen_q, seqlen_k,
         *strides, *paged_strides,
@@ -541,6 +543,17 @@ def _split_range(seq_len, n_new, left, split, chunk_min, NUM_SPLITS: tl.constexp
 
 
 @triton.jit
+def _decode_q(q, FP8: tl.constexpr):
+    """The decode kernels' dot dtype. An FP8 cache computes in fp16: e4m3 → fp16 is one conversion
+    instruction per two values, e4m3 → bf16 goes through fp32. q beyond fp16's range is clamped (the dots
+    accumulate in fp32; a query component above 65504 does not occur in a working model)."""
+    if FP8:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return q
+
+
+@triton.jit
 def _decode_tile(
     acc, l_i, m_i, q, k_head, v_head, bt_row, n0, end, pos, left, page_size, stride_kp, stride_ks, stride_vp,
     stride_vs, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
@@ -609,6 +622,7 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + batch.to(tl.int64) * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
                 + offs_dqk[None, :], mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+    q = _decode_q(q, FP8)
     pos = seq_len - n_new + tok  # causal among the new tokens
 
     if FP8:
@@ -757,6 +771,7 @@ def _decode_persistent_kernel(
         row_ok = rows < n_new * group
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
                     + offs_dqk[None, :], mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+        q = _decode_q(q, FP8)
         pos = seq_len - n_new + tok  # causal among the new tokens
         sc_qk = qk_scale
         sc_in = cap_in
@@ -912,27 +927,31 @@ def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
 
 
-def decode_config(head_dqk: int, head_dv: int, rows: int):
-    """Launch parameters of the decode kernels (memory-bound), from the H100 sweep in benchmarks/NOTES.md.
+def decode_config(head_dqk: int, head_dv: int, rows: int, fp8: bool = False, single: bool = False):
+    """Launch parameters of the decode kernels (memory-bound), from the H100 sweeps in benchmarks/NOTES.md.
 
     Head dims ≤ 128 with ≤ 8 rows (a GQA group of ≤ 8, one new token): 128-key tiles, 3 stages (72 KB of
     shared memory, ~225 registers, 2 programs per SM); 0–6% faster than 64-key tiles with 5 stages on every
-    measured batch. More rows (speculative tokens × group): 64-key tiles, 5 stages (128 spill); 64 rows or
-    dim 256: 32-key tiles, 5 stages (the 128-key tile at dim 256 would need ~200 KB). BLOCK_M holds the kv-head group × new tokens (≥ 16 for tl.dot), at most 64 rows per
-    program. PROGRAMS_PER_SM: the persistent (stream-K) grid; 2 = what fits (registers), and 1, 3 were
-    10–20% slower (one program per SM keeps too few loads in flight; three make a second partial wave).
+    measured batch. An FP8 cache: 5 stages (105 KB; +7% at B=32, 4k: half the bytes per tile need more
+    tiles in flight). A single sequence (split-KV, `single`): 64-key tiles, 5 stages (+8% at 8k over the
+    persistent schedule's best). More rows (speculative tokens × group): 64-key tiles, 5 stages (128
+    spill); 64 rows or dim 256: 32-key tiles, 5 stages (the 128-key tile at dim 256 would need ~200 KB).
+    BLOCK_M holds the kv-head group × new tokens (≥ 16 for tl.dot), at most 64 rows per program.
+    PROGRAMS_PER_SM: the persistent (stream-K) grid; 2 = what fits, 1 and 3 were 10–25% slower (one
+    program per SM keeps too few loads in flight; three make a second partial wave).
     """
     width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if width >= 256 or block_m >= 64:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
-    if rows > 8:  # 128-key tiles spill with 16–32 rows (ptxas: 56–112 bytes of stack)
+    if rows > 8 or single:  # 128-key tiles spill with 16–32 rows (ptxas: 56–112 bytes of stack)
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=5 if fp8 else 3, PROGRAMS_PER_SM=2)
 
 
 # The persistent schedule loads every sequence length into each program (a vector of next_pow2(batch)):
-# above this batch the split-KV schedule runs instead (large batches fill the GPU by themselves).
+# above this batch the split-KV schedule runs instead (large batches fill the GPU by themselves). A single
+# sequence takes split-KV too: nothing to balance, and its separate merge beat the in-kernel one by 5–8%.
 PERSISTENT_MAX_BATCH = 1024
 _COUNTERS = {}
 
@@ -957,8 +976,8 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
            k_scale, v_scale, return_lse, config=None):
     """q [B, Q, Hq, Dqk], caches [pages, page_size, Hk, D] → (o [B, Q, Hq, Dv], lse [B, Q, Hq] or empty).
 
-    num_splits None: the persistent stream-K schedule (batches up to PERSISTENT_MAX_BATCH), else split-KV
-    with that many splits (None above the limit: the heuristic's count)."""
+    num_splits None: the persistent stream-K schedule for 2 … PERSISTENT_MAX_BATCH sequences, split-KV with
+    the heuristic's count for one sequence or more than the limit; a number: split-KV with that many splits."""
     batch, n_new, hq, dqk = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     group = hq // hk
@@ -966,7 +985,8 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
     lse = torch.empty((batch, n_new, hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    cfg = dict(config or decode_config(dqk, dv, n_new * group))
+    persistent = num_splits is None and 1 < batch <= PERSISTENT_MAX_BATCH
+    cfg = dict(config or decode_config(dqk, dv, n_new * group, fp8=k_scale is not None, single=batch == 1))
     per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
     programs = cfg.pop("PROGRAMS", None)  # an exact grid (tests)
     m_blocks = triton.cdiv(n_new * group, cfg["BLOCK_M"])
@@ -977,7 +997,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
     scale_strides = ((k_scale.stride(0) if k_scale.numel() > 1 else 0) if fp8 else 0,
                      (v_scale.stride(0) if v_scale.numel() > 1 else 0) if fp8 else 0)
     common = dict(HAS_LEFT=left >= 0, HEAD_DV=dv)
-    if num_splits is None and batch <= PERSISTENT_MAX_BATCH:
+    if persistent:
         grid = programs or per_sm * sm_count(q.device)
         block_m, block_dv = cfg["BLOCK_M"], triton.next_power_of_2(dv)
         block_r = min(block_m, triton.next_power_of_2(n_new * group))  # the merge's rows: all valid ones of a block
