@@ -18,7 +18,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(kernels, "prefill_config",
                         lambda dqk, dv, m: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
     monkeypatch.setattr(kernels, "decode_config",
-                        lambda dqk, dv, rows: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+                        lambda dqk, dv, rows, **kw: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
 
 
 def both(monkeypatch, call):

@@ -65,7 +65,7 @@ def test_merge_strided_lse_from_prefill(monkeypatch):
 def test_cascade_decode_plus_suffix(monkeypatch):
     """Decode over a paged prefix merged with prefill over the new tokens = decode over everything."""
     monkeypatch.setattr(kernels, "decode_config",
-                        lambda dqk, dv, rows: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+                        lambda dqk, dv, rows, **kw: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
     monkeypatch.setattr(kernels, "prefill_config",
                         lambda dqk, dv, m: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
     dt, page = torch.float16, 16
