@@ -18,6 +18,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 import torch
 
 from ..models.metadata import decode_metadata, prefill_metadata
+from .cuda_graph import DecodeGraphs
 from .pages import BlockManager, pages_for
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
@@ -98,8 +99,12 @@ class Engine:
         if eos_token_ids is None and tok_eos is not None and tok_eos not in eos:
             eos.append(int(tok_eos))
         self.eos_token_ids = set(eos)
-        # CUDA graphs for decode are not implemented yet: decode runs eagerly on every device.
+        # decode on static buffers, replayed from CUDA graphs per batch-size bucket (cuda_graph.py)
         self.use_cuda_graph = bool(use_cuda_graph) and self.device.type == "cuda"
+        self.graphs = None
+        if self.use_cuda_graph:
+            self.graphs = DecodeGraphs(model, self.kv_cache, self.max_num_seqs,
+                                       pages_for(self.max_model_len, self.page_size))
         self.stats = Stats()
         self._events: List[StreamEvent] = []
 
@@ -114,8 +119,7 @@ class Engine:
         presets)."""
         from ..loading import load_model, load_tokenizer
 
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = _check_device(device)
         model = load_model(spec, dtype=dtype, device=device, max_model_len=max_model_len)
         tokenizer = load_tokenizer(spec)
         if tokenizer is None:
@@ -226,10 +230,17 @@ class Engine:
         if batch.decodes:
             t0 = time.perf_counter()
             reqs = batch.decodes
-            positions, meta = decode_metadata([self.blocks.table(r.id) for r in reqs],
-                                              [r.num_computed + 1 for r in reqs], ps, device=dev)
-            ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=dev)
-            logits = self.model(ids, positions, meta, self.kv_cache)
+            tables = [self.blocks.table(r.id) for r in reqs]
+            lens = [r.num_computed + 1 for r in reqs]
+            last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]  # the pending token
+            if self.graphs is not None:
+                pos = [n - 1 for n in lens]
+                slots = [t[p // ps] * ps + p % ps for t, p in zip(tables, pos)]
+                logits = self.graphs.run(last, pos, slots, tables, lens)
+            else:
+                positions, meta = decode_metadata(tables, lens, ps, device=dev)
+                ids = torch.tensor(last, dtype=torch.int64, device=dev)
+                logits = self.model(ids, positions, meta, self.kv_cache)
             for r in reqs:
                 r.num_computed += 1
                 r.decode_tokens += 1
@@ -328,6 +339,24 @@ class Engine:
             s.blocks.release(r.id)
         s.running.clear()
         s.waiting.clear()
+
+
+def _check_device(device) -> torch.device:
+    """The device to run on (default: cuda when available); ValueError for a bad or unavailable one."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but no CUDA GPU is available here (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
 
 
 def _as_list(prompts) -> list:

@@ -152,3 +152,25 @@ def test_stop_strings_cut_the_text_and_stream_nothing_past_them(tiny_model, alon
     streamed = []
     out = e.generate([prompts[2]], SamplingParams(max_new_tokens=NEW, stop=half), callback=streamed.append)[0]
     assert out.text == full and "".join(ev.text for ev in streamed) == full
+
+
+def test_static_decode_buffers_with_padded_buckets(tiny_model, alone):
+    """The CUDA-graph decode path without the capture (CPU): batches padded up to a bucket with length-0
+    rows and skipped cache slots give the tokens of each prompt alone, as requests join and leave."""
+    from lmkernels.engine.cuda_graph import DecodeGraphs, buckets_for
+    from lmkernels.engine.pages import pages_for
+
+    assert buckets_for(6) == [1, 2, 4, 6] and buckets_for(1) == [1]
+    prompts, ref = alone
+    e = _engine(tiny_model, num_pages=256, page_size=8, max_num_seqs=6, max_num_batched_tokens=48)
+    e.graphs = DecodeGraphs(tiny_model, e.kv_cache, 6, pages_for(e.max_model_len, 8), capture=False,
+                            buckets=[1, 4, 6])
+    seen = []
+    run = e.graphs.run
+    e.graphs.run = lambda ids, *a: seen.append(len(ids)) or run(ids, *a)
+    news = [NEW, 3, 7, NEW, 5, 9]
+    outs = e.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+    for o, r, n in zip(outs, ref, news):
+        assert o.token_ids == r[:n]
+    assert {2, 3, 5} & set(seen)  # padded batches
+    assert e.blocks.num_free == e.num_pages
