@@ -73,9 +73,10 @@ def _flat_param(x):
 # prefill
 
 
-def _prefill_run(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht, ht_idx):
+def _prefill_run(q, k, v, g, beta, cu, cu_host, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht, ht_idx):
     if not use_triton(q):
-        o, S = reference.kda(q[None], k[None], v[None], g[None], beta[None], scale=scale, cu_seqlens=cu,
+        o, S = reference.kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                             cu_seqlens=cu_host if cu_host is not None else cu,
                              initial_state=h0[h0_idx.long()] if h0 is not None else None, A_log=A_log,
                              dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2, beta_sigmoid=bsig)
         if ht is not None:
@@ -84,21 +85,23 @@ def _prefill_run(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, b
     from . import kernels
 
     return kernels.prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht,
-                           ht_idx)
+                           ht_idx, cu_host)
 
 
 @torch.library.custom_op("lmkernels::kda_prefill", mutates_args=("ht",))
 def _prefill_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu: torch.Tensor,
-    scale: float, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float],
+    cu_host: Optional[torch.Tensor], scale: float, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float],
     l2: bool, bsig: bool, h0: Optional[torch.Tensor], h0_idx: Optional[torch.Tensor], ht: Optional[torch.Tensor],
     ht_idx: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    return _prefill_run(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht, ht_idx)
+    return _prefill_run(q, k, v, g, beta, cu, cu_host, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht,
+                        ht_idx)
 
 
 @_prefill_op.register_fake
-def _(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht, ht_idx):
+def _(q, k, v, g, beta, cu, cu_host, scale, A_log, dt_bias, lower_bound, l2, bsig, h0, h0_idx, ht, ht_idx):
     return v.new_empty(v.shape)
 
 
@@ -126,7 +129,8 @@ def kda_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
     scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
     state_pool: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, A_log: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, l2norm_qk: bool = False,
     beta_sigmoid: bool = False,
 ):
@@ -142,7 +146,8 @@ def kda_prefill(
     zero a slot first for a fresh sequence.
     l2norm_qk: q, k ← x / sqrt(|x|² + 1e-6) in the kernel; beta_sigmoid: β = sigmoid(beta) in the kernel;
     A_log/dt_bias/lower_bound: the fused gate (module docstring). scale defaults to K^−1/2.
-    With cu_seqlens on CUDA the launch reads the offsets on the host (one sync).
+    With cu_seqlens on CUDA the launch reads the offsets on the host (one sync) unless cu_seqlens_cpu holds the
+    same offsets on the CPU (then a call can be captured in a CUDA graph after one warm-up call).
     """
     _check_scalars(scale, lower_bound)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -163,9 +168,19 @@ def kda_prefill(
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at {T} (the tokens), got {c}")
         n_seqs = cu_seqlens.shape[0] - 1
         cu = cu_seqlens
+        cu_host = None
+        if cu_seqlens_cpu is not None:
+            check_tensor("cu_seqlens_cpu", cu_seqlens_cpu, dtypes=INDEX_DTYPES, shape=cu_seqlens.shape)
+            if cu_seqlens_cpu.device.type != "cpu":
+                raise ValueError(f"cu_seqlens_cpu must be a CPU tensor, got one on {cu_seqlens_cpu.device}")
+            cu_host = cu_seqlens_cpu
+            if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens.long(), cu_seqlens_cpu.long()):
+                raise ValueError("cu_seqlens_cpu must hold the offsets of cu_seqlens")
     else:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu goes with cu_seqlens (packed varlen input)")
         n_seqs = B
-        cu = torch.arange(B + 1, dtype=torch.int32) * T
+        cu = cu_host = torch.arange(B + 1, dtype=torch.int32) * T
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
     if cu_seqlens is not None:
         check_same_device(q=q, cu_seqlens=cu_seqlens)
@@ -193,7 +208,7 @@ def kda_prefill(
         h0_idx = ht_idx = state_indices
     scale = K ** -0.5 if scale is None else float(scale)
     o = _prefill_op(q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, H, V), g.reshape(B * T, H, K),
-                    beta.reshape(B * T, H), cu, scale, _flat_param(A_log), _flat_param(dt_bias),
+                    beta.reshape(B * T, H), cu, cu_host, scale, _flat_param(A_log), _flat_param(dt_bias),
                     None if lower_bound is None else float(lower_bound), bool(l2norm_qk), bool(beta_sigmoid), h0,
                     h0_idx, ht, ht_idx)
     return o.view(B, T, H, V), final

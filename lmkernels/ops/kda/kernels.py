@@ -87,7 +87,27 @@ def _kda_intra(
     causal_d = r[:, None] >= r[None, :]
     A = tl.zeros([BT, BT], tl.float32)
     Aq = tl.zeros([BT, BT], tl.float32)
-    if SAFE:
+    if SAFE == 2:
+        # one reference per 16-row block: the Γ of its middle row P_a; rows i of block a pair with columns
+        # j < end of block a: exp(Γ_i − P_a) · exp(P_a − Γ_j), both ≤ e^{8|lb|} (≤ 1 for j before the block)
+        NB2: tl.constexpr = BT // BS
+        g3 = tl.reshape(bg, [NB2, BS, K])
+        tot = tl.sum(g3, 1)
+        G3 = tl.cumsum(g3, 1) + (tl.cumsum(tot, 0) - tot)[:, None, :]
+        G = tl.reshape(G3, [BT, K])
+        j3 = tl.arange(0, BS)
+        P = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, G3, 0.0), 1)  # [NB, K]
+        eR = tl.exp(G3 - P[:, None, :])
+        R3 = tl.reshape(bk, [NB2, BS, K]) * eR
+        Q3 = tl.reshape(bq, [NB2, BS, K]) * (eR * scale)
+        nb = tl.arange(0, NB2)
+        colok = (r[None, :] < (nb[:, None] + 1) * BS)[:, :, None]  # [NB, BT, 1]
+        ex = tl.where(colok, P[:, None, :] - G[None, :, :], 0.0)
+        C3 = tl.where(colok, bk[None, :, :] * tl.exp(ex), 0.0)  # [NB, BT, K]
+        C3t = tl.permute(C3, (0, 2, 1))
+        A = tl.where(causal, tl.reshape(tl.dot(R3, C3t, input_precision=PREC), [BT, BT]), 0.0)
+        Aq = tl.where(causal_d, tl.reshape(tl.dot(Q3, C3t, input_precision=PREC), [BT, BT]), 0.0)
+    elif SAFE == 1:
         NB: tl.constexpr = BT // BS
         g3 = tl.reshape(bg, [NB, BS, K])
         Gl3 = tl.cumsum(g3, 1)  # Γ inside each sub-chunk
@@ -266,7 +286,7 @@ def prefill_config(K, V, n_seqs, heads):
     """Launch parameters: (intra warps, intra stages, state block of V, state warps, state stages)."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
     return dict(intra_warps=8 if K >= 128 else 4, intra_stages=1, BV=min(bv, V), state_warps=4, state_stages=2,
-                PREC="tf32")
+                PREC="tf32", SAFE=2)
 
 
 def decode_config(K, V, n, heads):
@@ -283,24 +303,42 @@ def _chunk_table(cu_list):
     return starts, offs
 
 
+_META = {}
+TUNE = {}  # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "skip_state": bool}
+LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
+
+
+def _metadata(cu_list, dev):
+    """Chunk table (start token, rows) per chunk, each sequence's first chunk, offsets; cached per batch layout
+    so that a CUDA-graph capture after a warm-up call copies nothing to the device."""
+    key = (tuple(cu_list), str(dev))
+    hit = _META.get(key)
+    if hit is None:
+        starts, offs = _chunk_table(cu_list)
+        hit = (torch.tensor(starts if starts else [(0, 0)], dtype=torch.int32).to(dev),
+               torch.tensor(offs, dtype=torch.int32).to(dev), torch.tensor(cu_list, dtype=torch.int32).to(dev),
+               len(starts))
+        if len(_META) > 256:
+            _META.clear()
+        _META[key] = hit
+    return hit
+
+
 def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_sig, h0, h0_idx, ht, ht_idx,
-            config=None):
-    """Packed tokens: q/k/g [T, H, K], v [T, H, V], beta [T, H]; cu int32 [N + 1] (any device).
-    Initial states from h0[h0_idx[n]] (fp32 [*, H, K, V]) when h0 is given; final states to ht[ht_idx[n]]."""
+            cu_host=None, config=None):
+    """Packed tokens: q/k/g [T, H, K], v [T, H, V], beta [T, H]; cu [N + 1] (any device; cu_host: the same on
+    the CPU, to avoid a sync). Initial states from h0[h0_idx[n]] (fp32 [*, H, K, V]) when h0 is given; final
+    states to ht[ht_idx[n]]."""
     T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    cu_list = cu.tolist()  # one host sync for CUDA offsets (prefill only)
+    cu_list = (cu_host if cu_host is not None else cu).tolist()  # a host sync only for CUDA offsets alone
     n_seqs = len(cu_list) - 1
     o = torch.empty(T, H, V, device=dev, dtype=v.dtype)
     if n_seqs == 0 or (T == 0 and ht is None):
         return o
-    cfg = dict(prefill_config(K, V, n_seqs, H), **(config or {}))
-    starts, offs = _chunk_table(cu_list)
-    nc = len(starts)
-    chunks = torch.tensor(starts if starts else [(0, 0)], dtype=torch.int32).to(dev)
-    chunk_off = torch.tensor(offs, dtype=torch.int32).to(dev)
-    cu32 = torch.tensor(cu_list, dtype=torch.int32).to(dev)
+    cfg = {**prefill_config(K, V, n_seqs, H), **TUNE.get("prefill", {}), **(config or {})}
+    chunks, chunk_off, cu32, nc = _metadata(cu_list, dev)
     it = q.dtype
     w = torch.empty(T, H, K, device=dev, dtype=it)
     qg = torch.empty(T, H, K, device=dev, dtype=it)
@@ -309,18 +347,20 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     aqk = torch.empty(T, H, BT, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
-    safe = gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND
+    safe = cfg["SAFE"] if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     if nc:
-        _kda_intra[(nc, H)](
+        LAUNCHED["intra"] = _kda_intra[(nc, H)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             w, u, qg, kg, aqk, gl, chunks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
             H=H, K=K, V=V, BT=BT, BS=BS, GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
-            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2, num_warps=cfg["intra_warps"],
-            num_stages=cfg["intra_stages"])
+            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2,
+            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"])
+    if TUNE.get("skip_state"):
+        return o
     BV = cfg["BV"]
-    _kda_state[(n_seqs, H, V // BV)](
+    LAUNCHED["state"] = _kda_state[(n_seqs, H, V // BV)](
         w, u, qg, kg, aqk, gl, o, cu32, chunk_off, h0 if h0 is not None else gl, h0_idx if h0 is not None else cu32,
         ht if ht is not None else gl, ht_idx if ht is not None else cu32,
         o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
@@ -336,10 +376,10 @@ def decode(q, k, v, g, beta, pool, idx, scale, A_log, dt_bias, lower_bound, l2, 
     o = torch.zeros(N, Q, H, V, device=q.device, dtype=v.dtype)
     if N == 0 or Q == 0:
         return o
-    cfg = dict(decode_config(K, V, N, H), **(config or {}))
+    cfg = {**decode_config(K, V, N, H), **TUNE.get("decode", {}), **(config or {})}
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     BV = cfg["BV"]
-    _kda_decode[(N, H, V // BV)](
+    LAUNCHED["decode"] = _kda_decode[(N, H, V // BV)](
         q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, o, pool, idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3], *o.stride()[:3],
         pool.stride(0), float(scale), float(lower_bound or 0.0),
