@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .ops import activation, norm, rope
+from .ops import activation, attention, norm, rope
 
 # Relative-error limits against the reference at the op's input dtype. Both sides compute in fp32 and
 # round once, so they differ by about one rounding of the output (bf16: 2^-9 relative).
@@ -70,6 +70,51 @@ def _rope_cases(tokens, dev, dt):
         yield name, (tokens, heads, dim), ours, ref
 
 
+def _attention_cases(big, dev, dt):
+    """Prefill (packed ragged batch, GQA, causal / window + softcap), paged decode over shuffled pages (1 and 2
+    new tokens, bf16/fp16 and FP8 caches), KV writes and the LSE merge."""
+    ref = attention.reference
+    hq, hk, d = (32, 8, 128) if big else (4, 2, 64)
+    lens = [1, 700, 2049] if big else [1, 17, 40]
+    cu = torch.tensor([0, *lens], device=dev).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens), hq, d, device=dev, dtype=dt)
+    k = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
+    v = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
+    for kw in (dict(causal=True), dict(causal=True, window=(63, 0), softcap=30.0)):
+        name = "attention_prefill" + ("(window, softcap)" if "window" in kw else "(causal)")
+        yield (name, q.shape, lambda kw=kw: attention.attention_prefill(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw),
+               lambda kw=kw: ref.attention_varlen(q, k, v, cu, cu, **kw)[0])
+    page = 16
+    ctx = [1, 5000, 333, 4096] if big else [1, 37, 20, 3]
+    width = max(-(-n // page) for n in ctx)
+    tables = torch.randperm(len(ctx) * width, device=dev).to(torch.int32).view(len(ctx), width)  # shuffled pages
+    kc = torch.randn(len(ctx) * width, page, hk, d, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    seq_lens = torch.tensor(ctx, device=dev, dtype=torch.int32)
+    ks, vs = kc.float().abs().amax((0, 1, 3)) / 448, vc.float().abs().amax((0, 1, 3)) / 448
+    k8, v8 = ref.quantize_fp8(kc, ks), ref.quantize_fp8(vc, vs)
+    for n_new in (1, 2):
+        qd = torch.randn(len(ctx), n_new, hq, d, device=dev, dtype=dt)
+        yield (f"attention_decode(q {n_new})", qd.shape,
+               lambda qd=qd: attention.attention_decode(qd, kc, vc, tables, seq_lens),
+               lambda qd=qd: ref.attention_decode(qd, kc, vc, tables, seq_lens)[0])
+    yield ("attention_decode(fp8 cache)", qd.shape,
+           lambda: attention.attention_decode(qd, k8, v8, tables, seq_lens, k_scale=ks, v_scale=vs),
+           lambda: ref.attention_decode(qd, k8, v8, tables, seq_lens, k_scale=ks, v_scale=vs)[0])
+    slots = torch.randperm(kc.shape[0] * page, device=dev)[: k.shape[0]]
+
+    def write(fn):
+        kc2, vc2 = kc.clone(), vc.clone()
+        fn(k, v, kc2, vc2, slots)
+        return torch.cat([kc2.flatten(), vc2.flatten()])
+
+    yield "write_kv_cache", k.shape, lambda: write(attention.write_kv_cache), lambda: write(ref.write_kv_cache)
+    o_a, o_b = torch.randn(2, sum(lens), hq, d, device=dev, dtype=dt)
+    l_a, l_b = torch.randn(2, sum(lens), hq, device=dev) * 3
+    yield ("merge_attention_states", o_a.shape, lambda: attention.merge_attention_states(o_a, l_a, o_b, l_b)[0],
+           lambda: ref.merge_states(o_a, l_a, o_b, l_b)[0])
+
+
 def cases(device):
     """(op, shape, dtype, run ours, run reference) for every registered op."""
     big = device.type == "cuda"
@@ -80,6 +125,10 @@ def cases(device):
             for r in rows:
                 for name, shape, ours, ref in gen(r, device, dt):
                     yield name, tuple(shape), dt, ours, ref
+    # attention: half precision only; on the CPU fp16 alone (the interpreter computes bf16 dots wrong)
+    for dt in ((torch.bfloat16, torch.float16) if big else (torch.float16,)):
+        for name, shape, ours, ref in _attention_cases(big, device, dt):
+            yield name, tuple(shape), dt, ours, ref
 
 
 def run(device=None) -> int:
@@ -87,7 +136,7 @@ def run(device=None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
     print(f"lmkernels check on {where}")
     torch.manual_seed(int(time.time()))  # fresh inputs on every run
-    header = f"{'op':<28} {'shape':<18} {'dtype':<9} {'rel err':>9} {'limit':>7}  result"
+    header = f"{'op':<34} {'shape':<18} {'dtype':<9} {'rel err':>9} {'limit':>7}  result"
     print(header + "\n" + "-" * len(header))
     failures = 0
     for name, shape, dt, ours, ref in cases(device):
@@ -99,6 +148,6 @@ def run(device=None) -> int:
             ok, err_txt = False, f"{type(e).__name__}: {e}"[:60]
         failures += not ok
         dtype = str(dt).removeprefix("torch.")
-        print(f"{name:<28} {str(shape):<18} {dtype:<9} {err_txt:>9} {TOL[dt]:7.0e}  {'pass' if ok else 'FAIL'}")
+        print(f"{name:<34} {str(shape):<18} {dtype:<9} {err_txt:>9} {TOL[dt]:7.0e}  {'pass' if ok else 'FAIL'}")
     print(f"{failures} failure(s)" if failures else "all passed")
     return 1 if failures else 0
