@@ -113,10 +113,22 @@ def test_decode_bad_inputs():
     with pytest.raises(ValueError, match="seq_lens"):
         mla_decode(q_nope, q_pe, cache, tables, seq_lens[:1], scale=SCALE)
     with pytest.raises(ValueError, match="num_splits"):
-        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, num_splits=65)
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, num_splits=129)
     with pytest.raises(ValueError, match="scale"):
         mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=0.0)
     with pytest.raises(ValueError, match="cache_scales"):
         mla_decode(q_nope, q_pe, cache.to(torch.float8_e4m3fn), tables, seq_lens, scale=SCALE)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         mla_decode(q_nope.float(), q_pe.float(), cache.float(), tables, seq_lens, scale=SCALE)
+
+
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_decode_both_score_orders(keys_major):
+    """Both tile formulations (scores row-major or keys-major) at 16 and 64 rows, with splits."""
+    for heads in (16, 64):
+        q_nope, q_pe, cache, _, tables, seq_lens = _setup([70, 33], heads=heads, n_new=1, page=16)
+        cfg = dict(BLOCK_M=16 if heads == 16 else 64, BLOCK_N=32, num_warps=4, num_stages=1, KEYS_MAJOR=keys_major)
+        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, 2, 80, config=cfg)
+        want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+        assert (o.double() - want).norm() / want.norm() < 2e-3
+        torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)

@@ -9,12 +9,12 @@ from . import kernels as K
 
 
 def decode(rows, cache="bf16", split=True, cfg=None):
-    cfg = dict(cfg or K.decode_config(rows))
+    cfg = dict(cfg or K.decode_config(rows, cache != "bf16"))
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", qk_scale="fp32")
-    ce = dict(NUM_SPLITS=8 if split else 1, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
+    ce = dict(SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
               INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
@@ -30,7 +30,7 @@ def main(argv=None):
             for cfg in configs:
                 if cfg is not None and cfg["BLOCK_M"] != min(64, max(16, rows)):
                     continue
-                c = cfg or K.decode_config(rows)
+                c = cfg or K.decode_config(rows, cache != "bf16")
                 try:
                     r = decode(rows, cache, True, cfg)
                 except Exception as e:  # noqa: BLE001
@@ -38,6 +38,9 @@ def main(argv=None):
                     continue
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
+    mtypes = dict(part_o_ptr="*fp32", part_l_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
+    _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=4, KV_LORA=512,
+                                                                        BLOCK_N=32, INTERPRET=False), 4, 1))
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",
                  sc_ptr="*fp32", eps="fp32")
     for cache in ("bf16", "fp8e4nv"):

@@ -107,10 +107,10 @@ def write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, cache
 
 
 @triton.jit
-def _split_range(seq_len, split, chunk_min, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: tl.constexpr):
     """Keys [start, end) of split `split` and the number of non-empty splits, from the length alone: chunks
-    of chunk_min keys (the same for every sequence), longer where NUM_SPLITS of them would not cover it."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, chunk_min)
+    of chunk_min keys (the same for every sequence), longer where num_splits of them would not cover it."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, chunk_min)
     n_valid = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -151,22 +151,58 @@ def _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, pa
 
 
 @triton.jit
+def _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
+                 stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+                 FP8: tl.constexpr, KV_LORA: tl.constexpr):
+    """_mla_tile with the scores computed keys-major: sᵀ = c_kv · q_latᵀ + k_pe · q_peᵀ [BLOCK_N, BLOCK_M], so
+    the c_kv tile is a dot operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): no
+    transposed copy of the 512-wide tile. m_i, l_i are per row of the output (axis 1 of sᵀ)."""
+    kn = n0 + offs_n
+    valid = kn < end
+    page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
+    slot = kn % page_size
+    rows = c_ptr + page * stride_cp + slot * stride_cr
+    if FP8:
+        srow = s_ptr + page * stride_sp + slot * stride_sr
+        sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
+        spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
+        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
+        kc = tl.where(valid[:, None], kc * sc, 0.0).to(q_latT.dtype)
+        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
+        kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(q_latT.dtype)
+    else:
+        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
+    st = tl.dot(kc, q_latT)
+    st = tl.dot(kp, q_peT, st) * qk_scale  # [BLOCK_N, BLOCK_M]
+    st = tl.where(valid[:, None] & (kn[:, None] <= pos[None, :]), st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pt = tl.exp2(st - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(pt, 0)
+    acc = tl.dot(tl.trans(pt.to(kc.dtype)), kc, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _mla_decode_kernel(
     qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
-    n_new, heads, page_size, qk_scale, chunk_min,
-    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
+    n_new, heads, page_size, qk_scale, chunk_min, num_splits,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr = False,
 ):
-    """o_ptr/lse_ptr: the final output (NUM_SPLITS == 1) or the fp32 partials [.., split, ..]."""
+    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the fp32 partials [.., split, ..]."""
     m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
     split = tl.program_id(1)
     batch = tl.program_id(2)
     seq_len = tl.load(len_ptr + batch)
-    start, end, n_valid = _split_range(seq_len, split, chunk_min, NUM_SPLITS, BLOCK_N)
-    if NUM_SPLITS > 1:
+    start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
+    if SPLIT:
         if split >= n_valid:  # the merge kernel skips these splits
             return
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -186,7 +222,22 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, KV_LORA], tl.float32)
-    if INTERPRET:  # the interpreter cannot take tensor range() bounds
+    if KEYS_MAJOR:
+        q_latT = tl.trans(q_lat)
+        q_peT = tl.trans(q_pe)
+        if INTERPRET:
+            n0 = start
+            while n0 < end:
+                acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
+                                             page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
+                                             offs_c, offs_p, FP8, KV_LORA)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
+                                             page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
+                                             offs_c, offs_p, FP8, KV_LORA)
+    elif INTERPRET:  # the interpreter cannot take tensor range() bounds
         n0 = start
         while n0 < end:
             acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
@@ -210,31 +261,48 @@ def _mla_decode_kernel(
 
 
 @triton.jit
+def _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps):
+    ok = s0 + c < n_valid
+    w = tl.exp(tl.load(lbase + (s0 + c) * stride_pls, mask=ok, other=float("-inf")) - m_safe)
+    o_s = tl.load(obase + (s0 + c)[:, None] * stride_ps + d[None, :], mask=ok[:, None], other=0.0)
+    return out + tl.sum(o_s * w[:, None], 0)
+
+
+@triton.jit
 def _mla_merge_kernel(
     part_o_ptr, part_l_ptr, len_ptr, o_ptr, lse_ptr,
     stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
-    heads, chunk_min,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
+    heads, chunk_min, num_splits,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """One (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits."""
+    """One (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits, read
+    CHUNK_S partial rows at a time (a [64, 512] fp32 tile would not fit in registers)."""
     batch = tl.program_id(0).to(tl.int64)
     tok = tl.program_id(1) // heads
     head = tl.program_id(1) % heads
     seq_len = tl.load(len_ptr + batch)
-    _, _, n_valid = _split_range(seq_len, 0, chunk_min, NUM_SPLITS, BLOCK_N)
+    _, _, n_valid = _split_range(seq_len, 0, chunk_min, num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, KV_LORA)
-    s_ok = s < n_valid
-    lse_s = tl.load(part_l_ptr + batch * stride_plb + tok * stride_plt + head * stride_plh + s * stride_pls,
-                    mask=s_ok, other=float("-inf"))
+    lbase = part_l_ptr + batch * stride_plb + tok * stride_plt + head * stride_plh
+    lse_s = tl.load(lbase + s * stride_pls, mask=s < n_valid, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    total = tl.sum(w, 0)
-    o_s = tl.load(part_o_ptr + batch * stride_pb + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps
-                  + d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    total = tl.sum(tl.exp(lse_s - m_safe), 0)
+    d = tl.arange(0, KV_LORA)
+    c = tl.arange(0, CHUNK_S)
+    obase = part_o_ptr + batch * stride_pb + tok * stride_pt + head * stride_ph
+    out = tl.zeros([KV_LORA], tl.float32)
+    if INTERPRET:  # the interpreter cannot take tensor range() bounds
+        s0 = 0
+        while s0 < n_valid:
+            out = _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps)
+            s0 += CHUNK_S
+    else:
+        for s0 in range(0, n_valid, CHUNK_S):
+            out = _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps)
+    out = out / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + batch * stride_ob + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
     lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
@@ -254,19 +322,28 @@ def sm_count(device) -> int:
 
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, 512-wide partial write, merge) dominate
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 
 
-def decode_config(rows: int):
+def decode_config(rows: int, fp8: bool = False):
     """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
-    BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, and how many
-    programs fit on one SM (shared memory: stages × BLOCK_N × 1152 B); see benchmarks/NOTES.md (issue 6)."""
+    BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
+    scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
+    mma.sync tiles the other order copies the 512-wide tile transposed through registers), and the programs per
+    SM the split heuristic aims for. Stages: the page-table load takes one pipeline stage, so 5 stages give the
+    c_kv tile two buffers. From the H100 runs in benchmarks/NOTES.md (issue 6).
+    ≥ 64 rows (128 heads): 64-row wgmma tiles (8 warps, 64-key tiles, 1 stage) — the accumulator alone is 128
+    registers per thread, so one program per SM."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    if fp8:  # the dequantised tile goes through shared memory again: fewer stages fit (≤ 190 KB)
+        if block_m >= 64:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=1)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
     if block_m >= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, PROGRAMS_PER_SM=1)
-    if block_m >= 32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, KEYS_MAJOR=False, PROGRAMS_PER_SM=2)
+    if block_m == 32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int) -> int:
@@ -292,13 +369,13 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     lse = torch.empty(batch, n_new, heads, dtype=torch.float32, device=q_nope.device)
     if o.numel() == 0:
         return o, lse
-    cfg = dict(config or decode_config(n_new * heads))
+    fp8 = cache_scales is not None
+    cfg = dict(config or decode_config(n_new * heads, fp8))
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
         num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm)
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
-    fp8 = cache_scales is not None
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
         out, out_l, os_, ls = o, lse, (*o.stride()[:3], 0), (*lse.stride(), 0)
@@ -309,13 +386,13 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
-        *os_, *ls, n_new, heads, cache.shape[1], scale * LOG2E, chunk_min,
-        NUM_SPLITS=num_splits, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
+        *os_, *ls, n_new, heads, cache.shape[1], scale * LOG2E, chunk_min, num_splits,
+        SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
     )
     if num_splits > 1:
         _mla_merge_kernel[(batch, n_new * heads)](
             out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-            heads, chunk_min, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), KV_LORA=KV_LORA,
-            BLOCK_N=cfg["BLOCK_N"], num_warps=4,
+            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=4, KV_LORA=KV_LORA,
+            BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
         )
     return o, lse
