@@ -4,6 +4,7 @@ dim 512, all heads in one tile, split-KV + LSE merge, MTP query tokens), the pre
 attention family's kernel, and a DeepSeek-V3 attention layer (layer.py). Math in reference.py."""
 
 from .api import mla_decode, new_latent_cache, write_latent_cache
+from .layer import DeepseekV3MLA
 from .prefill import mla_prefill
 
-__all__ = ["mla_decode", "mla_prefill", "new_latent_cache", "write_latent_cache"]
+__all__ = ["DeepseekV3MLA", "mla_decode", "mla_prefill", "new_latent_cache", "write_latent_cache"]
