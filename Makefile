@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --durations=10
 
+# the embedded SmolLM2-135M-Instruct answers (Triton kernels and CUDA graphs on a GPU, reference ops on the CPU)
 demo: $(VENV)/.installed
-	$(VENV)/bin/lmkernels check
+	$(VENV)/bin/lmkernels generate "What is the capital of France?"
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -79,6 +79,7 @@ def _run_generate(args) -> int:
     prompts = _read_prompts(args)
     engine = Engine.from_pretrained(args.model, device=args.device,
                                     use_cuda_graph=not args.no_cuda_graph)
+    engine.warmup(min(len(prompts), engine.max_num_seqs))  # compile and capture outside the tokens/s figures
     single = len(prompts) == 1
     out = sys.stdout
 

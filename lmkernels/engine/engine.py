@@ -293,6 +293,14 @@ class Engine:
                       decode_tokens=r.decode_tokens, prefill_time=first - r.arrival_time,
                       decode_time=r.finish_time - first, num_preemptions=r.num_preemptions)
 
+    def warmup(self, batch_size: int = 1) -> None:
+        """Run a few tokens through a prefill and decode steps of `batch_size` requests, so that first-call costs
+        (kernel compilation, lazy imports, the CUDA graph of that batch bucket) stay out of the timed runs."""
+        vocab = self.model.config.vocab_size
+        prompts = [[(3 + i) % vocab, (4 + i) % vocab] for i in range(batch_size)]
+        self.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        self.stats = Stats()
+
     # ------------------------------------------------------------------------------------------------------
     # batch API
 
