@@ -175,9 +175,31 @@ def count_kernels(fn) -> int:
         _sync()
     events = prof.events()
     if _dev() == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.lower().startswith(("memcpy", "memset")))
-    return sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::"))
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.lower().startswith(("memcpy", "memset"))]
+    else:
+        kernels = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+    PROFILES.append(_kernel_table(kernels))
+    return len(kernels)
+
+
+PROFILES = []  # per count_kernels call: the kernels by total device time (for the notes)
+
+
+def _kernel_table(kernels, top=12):
+    """[(name, count, total µs)] of the most expensive kernels (device time on the GPU, CPU time on the CPU)."""
+    agg = {}
+    for e in kernels:
+        t = getattr(e, "device_time", None)
+        if t is None:
+            t = getattr(e, "cuda_time", 0.0)
+        if not t:
+            t = e.cpu_time
+        name = e.name[:80]
+        c, tot = agg.get(name, (0, 0.0))
+        agg[name] = (c + 1, tot + float(t))
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[name, c, round(tot, 1)] for name, (c, tot) in rows]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -377,6 +399,10 @@ class Bench:
             except Exception as e:
                 log_line(traceback.format_exc())
                 hf = _res("HF", "hf", missing=short_error(e))
+        if len(PROFILES) >= 2:
+            ours["profile_us"], hf["profile_us"] = PROFILES[-2], PROFILES[-1]
+            for who, table in (("ours", PROFILES[-2]), ("HF", PROFILES[-1])):
+                log_line(f"[engine] {who} eager decode step, top kernels (name, count, µs): {table}")
         note = (f"CUDA kernels per decoder layer in one B=1 decode step (whole step ÷ {layers} layers): ours "
                 f"{ours.get('kernels_per_layer', float('nan')):.2f}, HF {hf.get('kernels_per_layer', float('nan')):.2f}"
                 f"; figure = 100 × layers ÷ kernels (higher is fewer); with CUDA graphs ours is one graph launch "
