@@ -122,12 +122,15 @@ def test_decode_bad_inputs():
         mla_decode(q_nope.float(), q_pe.float(), cache.float(), tables, seq_lens, scale=SCALE)
 
 
+@pytest.mark.parametrize("page_tile", [False, True])
 @pytest.mark.parametrize("keys_major", [False, True])
-def test_decode_both_score_orders(keys_major):
-    """Both tile formulations (scores row-major or keys-major) at 16 and 64 rows, with splits."""
+def test_decode_both_score_orders(keys_major, page_tile):
+    """Both tile formulations (scores row-major or keys-major) at 16 and 64 rows, with splits; tiles gathered
+    key by key or (page 64, PAGE_TILE) from one page per tile."""
     for heads in (16, 64):
-        q_nope, q_pe, cache, _, tables, seq_lens = _setup([70, 33], heads=heads, n_new=1, page=16)
-        cfg = dict(BLOCK_M=16 if heads == 16 else 64, BLOCK_N=32, num_warps=4, num_stages=1, KEYS_MAJOR=keys_major)
+        q_nope, q_pe, cache, _, tables, seq_lens = _setup([70, 33], heads=heads, n_new=1, page=64 if page_tile else 16)
+        cfg = dict(BLOCK_M=16 if heads == 16 else 64, BLOCK_N=32, num_warps=4, num_stages=1, KEYS_MAJOR=keys_major,
+                   PAGE_TILE=page_tile)
         o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, 2, 80, config=cfg)
         want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
         assert (o.double() - want).norm() / want.norm() < 2e-3

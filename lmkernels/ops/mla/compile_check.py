@@ -10,11 +10,12 @@ from . import kernels as K
 
 def decode(rows, cache="bf16", split=True, cfg=None):
     cfg = dict(cfg or K.decode_config(rows, cache != "bf16"))
+    cfg.setdefault("KEYS_MAJOR", False)
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", qk_scale="fp32")
-    ce = dict(SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
+    ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
               INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 

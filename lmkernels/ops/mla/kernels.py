@@ -118,13 +118,24 @@ def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE: tl.constexpr):
+    """(page, row in page) of keys kn. PAGE_TILE: the tile lies in one page (page_size a multiple of BLOCK_N and
+    tiles BLOCK_N-aligned), so one scalar page-table load serves the whole tile."""
+    if PAGE_TILE:
+        page = tl.load(bt_row + n0 // page_size).to(tl.int64)
+        return page, n0 % page_size + (kn - n0)
+    else:
+        page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
+        return page, kn % page_size
+
+
+@triton.jit
 def _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
               stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-              FP8: tl.constexpr, KV_LORA: tl.constexpr):
+              FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr):
     kn = n0 + offs_n
     valid = kn < end
-    page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
-    slot = kn % page_size
+    page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
     rows = c_ptr + page * stride_cp + slot * stride_cr
     if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
         srow = s_ptr + page * stride_sp + slot * stride_sr
@@ -153,14 +164,13 @@ def _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, pa
 @triton.jit
 def _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
                  stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                 FP8: tl.constexpr, KV_LORA: tl.constexpr):
+                 FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr):
     """_mla_tile with the scores computed keys-major: sᵀ = c_kv · q_latᵀ + k_pe · q_peᵀ [BLOCK_N, BLOCK_M], so
     the c_kv tile is a dot operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): no
     transposed copy of the 512-wide tile. m_i, l_i are per row of the output (axis 1 of sᵀ)."""
     kn = n0 + offs_n
     valid = kn < end
-    page = tl.load(bt_row + kn // page_size, mask=valid, other=0).to(tl.int64)
-    slot = kn % page_size
+    page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
     rows = c_ptr + page * stride_cp + slot * stride_cr
     if FP8:
         srow = s_ptr + page * stride_sp + slot * stride_sr
@@ -194,7 +204,7 @@ def _mla_decode_kernel(
     n_new, heads, page_size, qk_scale, chunk_min, num_splits,
     SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
 ):
     """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the fp32 partials [.., split, ..]."""
     m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
@@ -230,25 +240,25 @@ def _mla_decode_kernel(
             while n0 < end:
                 acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
                                              page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                             offs_c, offs_p, FP8, KV_LORA)
+                                             offs_c, offs_p, FP8, KV_LORA, PAGE_TILE)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
                                              page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                             offs_c, offs_p, FP8, KV_LORA)
+                                             offs_c, offs_p, FP8, KV_LORA, PAGE_TILE)
     elif INTERPRET:  # the interpreter cannot take tensor range() bounds
         n0 = start
         while n0 < end:
             acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
                                       stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA)
+                                      FP8, KV_LORA, PAGE_TILE)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
                                       stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA)
+                                      FP8, KV_LORA, PAGE_TILE)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -371,6 +381,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         return o, lse
     fp8 = cache_scales is not None
     cfg = dict(config or decode_config(n_new * heads, fp8))
+    cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
