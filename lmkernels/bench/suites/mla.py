@@ -207,7 +207,8 @@ def decode_case(batch, ctx, heads, n_new):
     cfg = kernels.decode_config(heads * n_new)
     kt = "keys-major" if cfg.get("KEYS_MAJOR") else "rows-major"
     m_blocks = -(-heads * n_new // cfg["BLOCK_M"])
-    splits = kernels.decode_num_splits(batch, m_blocks, ctx, kernels.sm_count(q_nope.device), cfg["PROGRAMS_PER_SM"])
+    splits = kernels.decode_num_splits(batch, m_blocks, ctx, kernels.sm_count(q_nope.device), cfg["PROGRAMS_PER_SM"],
+                                       cfg.get("MIN_KEYS", kernels.MIN_KEYS_PER_SPLIT))
     failure = ours.get("wrong") or ours.get("missing")
     row = {**base, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers}
     key = "tflops" if compute else "gbps"

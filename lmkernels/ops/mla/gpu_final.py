@@ -24,6 +24,7 @@ def log(*a):
 def _time(batch, ctx, heads, n_new, cfg):
     cfg = dict(cfg)
     per_sm = cfg.pop("PROGRAMS_PER_SM")
+    min_keys = cfg.pop("MIN_KEYS", kernels.MIN_KEYS_PER_SPLIT)
     nbytes = batch * ctx * 1152
     n_sets = timing.rotation_count(nbytes, timing.l2_bytes())
     sets = []
@@ -31,7 +32,7 @@ def _time(batch, ctx, heads, n_new, cfg):
         q_nope, q_pe, cache, _, tables, lens = gpu_tune.setup([ctx] * batch, heads, n_new)
         sets.append((q_nope, q_pe, cache, tables, lens))
     mb = -(-heads * n_new // cfg["BLOCK_M"])
-    splits = kernels.decode_num_splits(batch, mb, ctx, kernels.sm_count(sets[0][0].device), per_sm)
+    splits = kernels.decode_num_splits(batch, mb, ctx, kernels.sm_count(sets[0][0].device), per_sm, min_keys)
     fn = lambda qn, qp, c, t, l: kernels.mla_decode(qn, qp, c, None, t, l, SCALE, splits, ctx, config=cfg)  # noqa
     ms = timing.time_ms(fn, sets)
     del sets
@@ -76,7 +77,8 @@ def main():
         dict(d16, num_stages=2),
         dict(d16, KEYS_MAJOR=False, num_stages=2),
         dict(d16, BLOCK_N=16),
-        dict(d16, PROGRAMS_PER_SM=2)])
+        dict(d16, PROGRAMS_PER_SM=2),
+        dict(d16, MIN_KEYS=512)])
     comp = ab("128 rows", [(32, 8192, 128, 1), (128, 1024, 128, 1)], [
         dict(d64),
         dict(d64, BLOCK_N=32, num_stages=2),

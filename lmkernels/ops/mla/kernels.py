@@ -356,12 +356,13 @@ def decode_config(rows: int, fp8: bool = False):
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
 
 
-def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int) -> int:
+def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
+                      min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """Splits of the key range so that batch × m_blocks × splits programs fill the GPU about once
     (num_sms × programs per SM), each split keeping ≥ MIN_KEYS_PER_SPLIT keys. Shapes only (CUDA graphs)."""
     programs = max(1, batch * m_blocks)
     fill = triton.cdiv(num_sms * per_sm, programs)
-    fit = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    fit = max(1, max_context // min_keys)
     return max(1, min(fill, fit, MAX_SPLITS))
 
 
@@ -383,9 +384,10 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     cfg = dict(config or decode_config(n_new * heads, fp8))
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
-        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm)
+        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
