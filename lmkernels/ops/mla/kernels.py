@@ -340,19 +340,23 @@ def decode_config(rows: int, fp8: bool = False):
     BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
     scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
     mma.sync tiles the other order copies the 512-wide tile transposed through registers), and the programs per
-    SM the split heuristic aims for. Stages: the page-table load takes one pipeline stage, so 5 stages give the
-    c_kv tile two buffers. From the H100 runs in benchmarks/NOTES.md (issue 6).
-    ≥ 64 rows (128 heads): 64-row wgmma tiles (8 warps, 64-key tiles, 1 stage) — the accumulator alone is 128
-    registers per thread, so one program per SM."""
+    SM the split heuristic aims for. The page-table load takes a pipeline stage, so with per-key gathers 5
+    stages give the c_kv tile two buffers (with PAGE_TILE, 2 stages do at 64 rows).
+    Chosen by the A/B in the H100 run of 2026-11-23 (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
+    16 rows (16 heads, one token): 16×32 keys-major, 4 warps, 5 stages, ~4 programs per SM;
+    32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 2 stages;
+    ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
+    rows-major wgmma tiles, 8 warps, 2 stages (216 KB of shared memory, one program per SM).
+    FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
-    if fp8:  # the dequantised tile goes through shared memory again: fewer stages fit (≤ 190 KB)
+    if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=1)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
     if block_m >= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, KEYS_MAJOR=False, PROGRAMS_PER_SM=2)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=2)
     if block_m == 32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
 
 
