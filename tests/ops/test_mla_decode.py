@@ -135,3 +135,18 @@ def test_decode_both_score_orders(keys_major, page_tile):
         want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
         assert (o.double() - want).norm() / want.norm() < 2e-3
         torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+
+
+def test_decode_fake_shapes():
+    """The custom op's fake implementation (torch.compile tracing) gives the real op's shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lmkernels.ops.mla import api
+
+    args = _setup([20, 5], heads=16, n_new=2, page=16)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        q_nope, q_pe, cache, scales, tables, seq_lens = fake
+        o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32)
+    assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
+    assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
