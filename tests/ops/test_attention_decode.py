@@ -204,21 +204,18 @@ def test_launch_does_not_depend_on_lengths(monkeypatch):
             assert seen[0][0][2]["NUM_SPLITS"] == 4
 
 
-@pytest.mark.parametrize("programs,units", [(1, (1, 0)), (2, (1, 0)), (5, (1, 0)), (13, (1, 0)), (64, (1, 0)),
-                                           (5, (4, 1)), (13, (2, 3)), (64, (4, 1))])
+@pytest.mark.parametrize("programs", [1, 2, 5, 13, 64])
 @pytest.mark.parametrize("lens,hq,hk,q_per_seq", [
     ([37, 1, 70, 16, 0], 4, 1, 1),  # ragged, a single token, an empty slot
     ([90, 3, 41], 8, 2, 3),  # 12 rows per kv head in one block
     ([64, 17], 8, 1, 3),  # 24 rows: two row blocks of 16 per kv head
     ([0, 0, 0], 2, 1, 2),  # nothing to read: o = 0, lse = −inf everywhere
 ])
-def test_persistent_schedule(monkeypatch, poison, programs, units, lens, hq, hk, q_per_seq):
+def test_persistent_schedule(monkeypatch, poison, programs, lens, hq, hk, q_per_seq):
     """Stream-K decode on fixed grids: segments split over many programs (merged by the last one to arrive)
-    and programs covering many segments; with a per-segment start cost (units), programs that hold only a
-    segment's start count in with empty pieces. The counters are back to zero after every launch."""
+    and programs covering many segments; the counters are back to zero after every launch."""
     monkeypatch.setattr(kernels, "decode_config", lambda dqk, dv, rows, **kw: dict(
-        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=programs, TILE_UNITS=units[0],
-        SEG_UNITS=units[1]))
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS=programs))
     k_cache, v_cache, tables, seq_lens = paged(lens, hk)
     q = torch.randn(len(lens), q_per_seq, hq, 64, dtype=DT)
     o, lse = attention_decode(q, k_cache, v_cache, tables, seq_lens, return_lse=True)

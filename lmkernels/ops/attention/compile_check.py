@@ -82,8 +82,6 @@ def decode_persistent(d=128, rows=4, cache="bf16", cfg=None, batch=64):
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     cfg.pop("PROGRAMS", None)
-    cfg.setdefault("TILE_UNITS", 1)
-    cfg.setdefault("SEG_UNITS", 0)
     types = dict(q_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_l_ptr="*fp32", cnt_ptr="*i32",
                  ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32", cap_in="fp32", cap_out="fp32")

@@ -459,19 +459,18 @@ def bench_decode(dev, copy_gbs, sweep):
 
 
 def sweep_decode(dev, copy_gbs):
-    """The persistent decode's cost model (key-tile units vs a per-segment start cost) on the uniform, skewed
-    and FP8 batches. Inputs rotate past L2 (lmkernels.bench.timing). (The tile/stage/program-count sweep
-    that chose decode_config is in benchmarks/NOTES.md.)"""
+    """Decode schedules and tiles on the batches where the heuristic's choice was below its goal: B=1 at 8k,
+    the skewed batch, the FP8 cache; B=32 at 4k as the control. Inputs rotate past L2 (lmkernels.bench.timing)."""
     from lmkernels.bench import timing
 
     from . import kernels
 
     scale = 128 ** -0.5
-    batches = (("B=32 ctx=4096", [4096] * 32, False), ("skewed 1x32k+31x512", [32768] + [512] * 31, False),
-               ("B=64 ctx=16384", [16384] * 64, False), ("B=32 ctx=4096 fp8", [4096] * 32, True))
-    # per-segment start cost in units (TILE_UNITS per key tile, SEG_UNITS per segment); (1, 0) = tiles only
-    unit_choices = ((1, 0), (4, 1), (4, 2), (8, 1), (2, 1))
-    print("\ndecode sweep (GB/s of KV read; persistent stream-K, 2 programs per SM: tile units, segment units)")
+    batches = (("B=1 ctx=8192", [8192], False), ("B=32 ctx=4096", [4096] * 32, False),
+               ("skewed 1x32k+31x512", [32768] + [512] * 31, False), ("B=32 ctx=4096 fp8", [4096] * 32, True))
+    bf16_cfgs = ((128, 3, 4), (64, 5, 4), (128, 4, 4))
+    fp8_cfgs = ((128, 3, 4), (128, 5, 4), (64, 7, 4), (64, 9, 4), (256, 3, 8))
+    print("\ndecode sweep (GB/s of KV read; persistent: programs, tile, stages, warps; split: splits)")
     for tag, lens, fp8 in batches:
         elem = 1 if fp8 else 2
         kv_bytes = sum(lens) * 8 * 128 * 2 * elem
@@ -487,20 +486,21 @@ def sweep_decode(dev, copy_gbs):
             q = torch.randn(len(lens), 1, 32, 128, device=dev, dtype=torch.bfloat16)
             sets.append((q, kc, vc, tables, seq_lens, ks, vs))
         ctx = max(lens)
-        base = kernels.decode_config(128, 128, 4, fp8=fp8)
-        variants = [(f"units {tu}/{su}", None, dict(base, TILE_UNITS=tu, SEG_UNITS=su)) for tu, su in unit_choices]
+        variants = []
+        for n_prog in (132, 264, 396):
+            for bn, st, w in (fp8_cfgs if fp8 else bf16_cfgs):
+                variants.append((f"persistent p{n_prog} n{bn} s{st} w{w}",
+                                 None, dict(BLOCK_M=16, BLOCK_N=bn, num_warps=w, num_stages=st, PROGRAMS=n_prog)))
+        for ns in ((8, 16, 32, 64) if len(lens) == 1 else (1, 2, 4)):
+            variants.append((f"split {ns} n64 s5", ns, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=5)))
         for name, ns, cfg in variants:
             def call(q, kc, vc, tables, seq_lens, ks, vs, ns=ns, cfg=cfg):
                 return kernels.decode(q, kc, vc, tables, seq_lens, scale, (-1, -1), 0.0, ns, ctx, ks, vs, False,
                                       config=dict(cfg))
             try:
-                out = call(*sets[0]).float()
-                want = out if name == variants[0][0] else want  # every variant against the first
-                err = rel_err(out, want)
                 ms = timing.time_ms(call, sets)
                 _row("decode-sweep", f"{tag} {name}", ms, kv_bytes / ms / 1e6, "GB/s",
-                     f"{kv_bytes / ms / 1e6 / copy_gbs:.0%} of copy, rel err vs first {err:.1e}"
-                     + (" WRONG" if err > 1e-2 else ""))
+                     f"{kv_bytes / ms / 1e6 / copy_gbs:.0%} of copy")
             except Exception as e:
                 print(f"  {tag} {name}: failed ({type(e).__name__}: {str(e)[:120]})")
         del sets

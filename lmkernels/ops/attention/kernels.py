@@ -717,19 +717,16 @@ def _decode_persistent_kernel(
     HAS_LEFT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr, TILE_UNITS: tl.constexpr, SEG_UNITS: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Stream-K decode: the work of all (sequence, kv head, row block) segments, laid end to end, is cut
-    into equal contiguous ranges, one per program (a fixed grid of a few programs per SM). Work is counted
-    in units: a segment costs SEG_UNITS (its start: q load, pipeline fill, output store) plus TILE_UNITS
-    per key tile, and a tile belongs to the program whose range holds its first unit.
+    """Stream-K decode: the key tiles of all (sequence, kv head, row block) segments, laid end to end, are cut
+    into equal contiguous ranges, one per program (a fixed grid of a few programs per SM).
 
     A program walks its range segment by segment. A segment it covers whole is finished and written at
     once; a piece of a segment is written as an fp32 partial (o, lse) into the program's slot 0 (its first
     segment) or 1 (its last), then the program counts itself in on the segment's counter, and the last of
     the segment's programs to arrive merges the pieces, writes the output and resets the counter to 0.
-    Which programs share a segment follows from the ranges: program p owns units [p·per, (p+1)·per) (a
-    program may hold only a segment's start units: it then counts in with an empty piece).
+    Which programs share a segment follows from the ranges: program p owns tiles [p·per, (p+1)·per).
     """
     pid = tl.program_id(0)
     per_b = tl.arange(0, BLOCK_B)
@@ -742,7 +739,7 @@ def _decode_persistent_kernel(
     # ≥ 1 tile per segment, so that an empty sequence's segment is visited and writes o = 0, lse = −inf
     tiles_b = tl.where(b_ok, tl.maximum(tl.cdiv(lens - lo_b, BLOCK_N), 1), 0)
     n_segs = n_kv * n_mblocks
-    work_b = tl.where(b_ok, (tiles_b.to(tl.int64) * TILE_UNITS + SEG_UNITS) * n_segs, 0)
+    work_b = tiles_b.to(tl.int64) * n_segs
     end_b = tl.cumsum(work_b, 0)
     total = tl.sum(work_b, 0)
     per = tl.maximum(tl.cdiv(total, tl.num_programs(0)), 1)
@@ -757,15 +754,13 @@ def _decode_persistent_kernel(
     while w < w_stop:
         b = tl.sum((end_b <= w).to(tl.int32), 0)
         sel = per_b == b
-        nu = _pick(tiles_b, sel).to(tl.int64) * TILE_UNITS + SEG_UNITS  # the segment's units
+        nt = _pick(tiles_b, sel).to(tl.int64)
         seq_len = _pick(lens, sel)
         lo = _pick(lo_b, sel)
         seg_base = _pick(end_b - work_b, sel)
-        seg = (w - seg_base) // nu
-        u0 = w - seg_base - seg * nu  # this program's units [u0, u1) of the segment
-        u1 = tl.minimum(nu, u0 + (w_stop - w))
-        t0 = tl.cdiv(tl.maximum(u0 - SEG_UNITS, 0), TILE_UNITS)  # … hold the tiles starting in them
-        t1 = tl.cdiv(tl.maximum(u1 - SEG_UNITS, 0), TILE_UNITS)
+        seg = (w - seg_base) // nt
+        t0 = w - seg_base - seg * nt
+        t1 = tl.minimum(nt, t0 + (w_stop - w))
         kv_head = (seg // n_mblocks).to(tl.int32)
         m_block = (seg % n_mblocks).to(tl.int32)
 
@@ -816,7 +811,7 @@ def _decode_persistent_kernel(
         o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
                   + offs_dv[None, :])
         o_mask = row_ok[:, None] & dv_ok[None, :]
-        if (u0 == 0) & (u1 == nu):  # the whole segment: final output
+        if (t0 == 0) & (t1 == nt):  # the whole segment: final output
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if STORE_LSE:
                 tl.store(lse_ptr + b.to(tl.int64) * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
@@ -827,9 +822,9 @@ def _decode_persistent_kernel(
                      + offs_dv[None, :], out, mask=o_mask)
             tl.store(part_l_ptr + slot.to(tl.int64) * BLOCK_M + p_rows, lse, mask=row_ok)
             tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
-            g_start = seg_base + seg * nu
+            g_start = seg_base + seg * nt
             p_first = g_start // per
-            n_pieces = (g_start + nu - 1) // per - p_first + 1
+            n_pieces = (g_start + nt - 1) // per - p_first + 1
             counter = cnt_ptr + b.to(tl.int64) * n_segs + seg
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == n_pieces - 1:  # the last piece of the segment: merge all (this one included)
@@ -867,7 +862,7 @@ def _decode_persistent_kernel(
                     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + tok_r * stride_lt + head_r * stride_lh,
                              tl.where(none, float("-inf"), m_all + tl.log(l_all)), mask=r_ok)
                 tl.store(counter, 0)  # ready for the next launch
-        w += u1 - u0
+        w += t1 - t0
 
 
 @triton.jit
@@ -993,7 +988,6 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
     persistent = num_splits is None and 1 < batch <= PERSISTENT_MAX_BATCH
     cfg = dict(config or decode_config(dqk, dv, n_new * group, fp8=k_scale is not None, single=batch == 1))
     per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
-    units = dict(TILE_UNITS=cfg.pop("TILE_UNITS", 1), SEG_UNITS=cfg.pop("SEG_UNITS", 0))
     programs = cfg.pop("PROGRAMS", None)  # an exact grid (tests)
     m_blocks = triton.cdiv(n_new * group, cfg["BLOCK_M"])
     left = window[0]
@@ -1019,7 +1013,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
             *scale_strides,
             SOFTCAP=softcap > 0, FP8=fp8, STORE_LSE=return_lse, HEAD_DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk),
             BLOCK_DV=block_dv, BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=block_r, BLOCK_S=max(1, 32 // block_r),
-            INTERPRET=interpreting(), **units, **common, **cfg,
+            INTERPRET=interpreting(), **common, **cfg,
         )
         return o, lse
     if num_splits is None:
