@@ -44,8 +44,9 @@ def _hf_forward(attn, rope, x):
         return attn(x[None], (cos, sin), mask)[0][0]
 
 
-@pytest.mark.parametrize("q_lora_rank", [48, None])
-def test_layer_matches_transformers(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,fp8", [(48, False), (None, False), (48, True)])
+def test_layer_matches_transformers(q_lora_rank, fp8):
+    """fp8: the latent cache in e4m3 with a scale per 128 values; stated tolerance 5e-2 (3 mantissa bits)."""
     cfg, attn, rope = _hf(q_lora_rank)
     ours = DeepseekV3MLA.from_hf(attn, cfg, dtype=torch.float16)
     assert abs(ours.scale - attn.scaling) < 1e-12  # YaRN mscale² in the softmax scale
@@ -53,7 +54,8 @@ def test_layer_matches_transformers(q_lora_rank):
     xs = [torch.randn(n + extra, 96) for n in prompts]
     want = [_hf_forward(attn, rope, x) for x in xs]
     page = 16
-    cache, _ = new_latent_cache(8, page, dtype=torch.float16)
+    cache, scales = new_latent_cache(8, page, dtype=torch.float8_e4m3fn if fp8 else torch.float16)
+    tol = 5e-2 if fp8 else 1e-2
     tables = torch.tensor([[5, 2], [7, 0]], dtype=torch.int32)
 
     def slots(b, positions):
@@ -62,7 +64,7 @@ def test_layer_matches_transformers(q_lora_rank):
     def check(got, b, positions):
         ref = want[b][positions]
         err = (got.double() - ref.double()).norm() / ref.double().norm()
-        assert err < 1e-2, (b, positions.tolist(), float(err))
+        assert err < tol, (b, positions.tolist(), float(err))
 
     # prefill, packed ragged batch
     x = torch.cat([xs[b][:n] for b, n in enumerate(prompts)]).half()
@@ -70,7 +72,7 @@ def test_layer_matches_transformers(q_lora_rank):
     slot = torch.cat([slots(b, torch.arange(n)) for b, n in enumerate(prompts)])
     cu = torch.tensor([0, prompts[0], sum(prompts)], dtype=torch.int32)
     lens = torch.tensor(prompts, dtype=torch.int32)
-    out = ours.prefill(x, pos, cu, lens, tables, slot, cache)
+    out = ours.prefill(x, pos, cu, lens, tables, slot, cache, scales)
     check(out[: prompts[0]], 0, torch.arange(prompts[0]))
     check(out[prompts[0]:], 1, torch.arange(prompts[1]))
     # decode: 1, 1, then 2 tokens per sequence
@@ -80,7 +82,7 @@ def test_layer_matches_transformers(q_lora_rank):
         x = torch.stack([xs[b][positions[b]] for b in range(2)]).half()
         slot = torch.cat([slots(b, positions[b]) for b in range(2)])
         done = [d + n_new for d in done]
-        out = ours.decode(x, positions, torch.tensor(done, dtype=torch.int32), tables, slot, cache)
+        out = ours.decode(x, positions, torch.tensor(done, dtype=torch.int32), tables, slot, cache, scales)
         for b in range(2):
             check(out[b], b, positions[b])
 
