@@ -21,7 +21,7 @@ from ..models.metadata import decode_metadata, prefill_metadata
 from .cuda_graph import DecodeGraphs
 from .pages import BlockManager, pages_for
 from .sampling import SamplingParams, sample
-from .scheduler import Request, Scheduler
+from .scheduler import RUNNING, Request, Scheduler
 from .tokenizer import ByteTokenizer, Detokenizer, encode_prompt
 
 Prompt = Union[str, Sequence[int]]
@@ -58,6 +58,7 @@ class Stats:
     decode_time: float = 0.0
     steps: int = 0
     preemptions: int = 0
+    pipelined_steps: int = 0   # decode steps launched while the previous one still ran
 
     @property
     def prefill_tps(self) -> float:
@@ -107,6 +108,8 @@ class Engine:
                                        pages_for(self.max_model_len, self.page_size))
         self.stats = Stats()
         self._events: List[StreamEvent] = []
+        self.pipeline = True  # pipelined greedy decode on the CUDA-graph path (see _start_pipeline)
+        self._inflight = None
 
     # ------------------------------------------------------------------------------------------------------
     # construction
@@ -197,6 +200,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> List[StreamEvent]:
         """Schedule, run the forwards, sample, and return the stream events of this step."""
+        if self._inflight is not None:
+            return self._continue_pipeline()
         batch = self.scheduler.schedule()
         if batch.empty:
             if self.has_unfinished():
@@ -230,6 +235,10 @@ class Engine:
         if batch.decodes:
             t0 = time.perf_counter()
             reqs = batch.decodes
+            if self.pipeline and self.graphs is not None and not batch.prefills and not batch.preempted \
+                    and all(r.params.greedy for r in reqs) and self.graphs.ready(len(reqs)):
+                self._start_pipeline(reqs, t0)
+                return self._events
             tables = [self.blocks.table(r.id) for r in reqs]
             lens = [r.num_computed + 1 for r in reqs]
             last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]  # the pending token
@@ -247,6 +256,76 @@ class Engine:
             self._sample(reqs, logits)
             self.stats.decode_tokens += len(reqs)
             self.stats.decode_time += time.perf_counter() - t0
+        return self._events
+
+    # ------------------------------------------------------------------------------------------------------
+    # pipelined greedy decode: while the GPU runs step t + 1, the host reads and processes the tokens of step t
+
+    def _launch_decode(self, reqs: List[Request], ahead: int):
+        """Prepare and replay one decode step of reqs at `ahead` tokens past their pending one (0: the pending
+        token, ids from the host; 1: the token the step in flight is computing, ids left on the device by it), and
+        start fetching its greedy tokens; (host tokens, event)."""
+        ps = self.page_size
+        tables = [self.blocks.table(r.id) for r in reqs]
+        lens = [r.num_computed + 1 + ahead for r in reqs]
+        pos = [n - 1 for n in lens]
+        slots = [t[p // ps] * ps + p % ps for t, p in zip(tables, pos)]
+        ids = None if ahead else [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        self.graphs.prepare(ids, pos, slots, tables, lens)
+        self.graphs.replay(len(reqs))
+        return self.graphs.fetch_tokens(len(reqs))
+
+    def _can_run_ahead(self, reqs: List[Request]) -> bool:
+        """Whether a step one token past the one in flight may be launched for exactly these requests: nothing
+        waits to join, none is sure to stop at the step in flight, and the pages for the extra token exist (they
+        are taken now)."""
+        if self.scheduler.waiting or len(reqs) != len(self.scheduler.running):
+            return False
+        need = 0
+        for r in reqs:
+            if len(r.output_ids) + 2 > r.params.max_new_tokens or r.num_computed + 2 >= self.max_model_len:
+                return False
+            need += max(0, pages_for(r.num_computed + 2, self.page_size) - len(self.blocks.table(r.id)))
+        if need > self.blocks.num_free:
+            return False
+        for r in reqs:
+            self.blocks.ensure(r.id, r.num_computed + 2)
+        return True
+
+    def _finish_decode(self, reqs: List[Request], host, event, t0: float) -> None:
+        """Wait for a step's tokens and append them to the requests still running."""
+        if event is not None:
+            event.synchronize()
+        tokens = host.tolist()
+        now = time.perf_counter()
+        n = 0
+        for r, tok in zip(reqs, tokens):
+            if r.status != RUNNING:  # stopped at the step before: this token was computed ahead and is dropped
+                continue
+            r.num_computed += 1
+            r.decode_tokens += 1
+            self._append(r, tok, now)
+            n += 1
+        self.stats.decode_tokens += n
+        self.stats.decode_time += time.perf_counter() - t0
+
+    def _start_pipeline(self, reqs: List[Request], t0: float) -> None:
+        host, event = self._launch_decode(reqs, 0)
+        if self._can_run_ahead(reqs):
+            self._inflight = (reqs, self._launch_decode(reqs, 1))
+            self.stats.pipelined_steps += 1
+        self._finish_decode(reqs, host, event, t0)
+
+    def _continue_pipeline(self) -> List[StreamEvent]:
+        t0 = time.perf_counter()
+        self._events = []
+        self.stats.steps += 1
+        reqs, (host, event) = self._inflight
+        self._inflight = None
+        if all(r.status == RUNNING for r in reqs) and self._can_run_ahead(reqs):
+            self._inflight = (reqs, self._launch_decode(reqs, 1))
+            self.stats.pipelined_steps += 1
+        self._finish_decode(reqs, host, event, t0)
         return self._events
 
     def _sample(self, reqs: List[Request], logits: torch.Tensor) -> None:
@@ -342,6 +421,9 @@ class Engine:
 
     def _abort(self) -> None:
         """Drop every unfinished request (after an error or an abandoned stream), freeing their pages."""
+        if self._inflight is not None:
+            self._inflight = None
+            _sync(self.device)
         s = self.scheduler
         for r in list(s.running) + list(s.waiting):
             s.blocks.release(r.id)

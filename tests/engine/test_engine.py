@@ -174,3 +174,40 @@ def test_static_decode_buffers_with_padded_buckets(tiny_model, alone):
         assert o.token_ids == r[:n]
     assert {2, 3, 5} & set(seen)  # padded batches
     assert e.blocks.num_free == e.num_pages
+
+
+def test_pipelined_greedy_decode(tiny_model, alone):
+    """The decode step t + 1 launched before the tokens of step t are read (ids left on the device by the
+    in-graph argmax): same tokens as each prompt alone, with requests of different lengths stopping (their
+    token computed ahead is dropped), an EOS, a request joining mid-way (the pipeline drains) and a sampled
+    request (never pipelined)."""
+    from lmkernels.engine.cuda_graph import DecodeGraphs
+    from lmkernels.engine.pages import pages_for
+
+    prompts, ref = alone
+    eos = ref[4][6]
+    e = _engine(tiny_model, num_pages=256, page_size=4, max_num_seqs=6, max_num_batched_tokens=128,
+                eos_token_ids=[eos])
+    e.graphs = DecodeGraphs(tiny_model, e.kv_cache, 6, pages_for(e.max_model_len, 4), capture=False,
+                            buckets=[2, 4, 6])
+    news = [NEW, 3, 7, NEW, NEW, 9]
+    expect = [r[:n] for r, n in zip(ref, news)]
+    expect[4] = ref[4][: ref[4].index(eos) + 1]
+    outs = e.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+    assert [o.token_ids for o in outs] == expect
+    assert e.stats.pipelined_steps >= 3 and e.blocks.num_free == e.num_pages and e._inflight is None
+    # a request added while the pipeline runs: it drains, the newcomer prefills, decoding goes on
+    e.eos_token_ids = set()
+    before = e.stats.pipelined_steps
+    done, step = {}, 0
+    e.add_request(prompts[0], SamplingParams(max_new_tokens=NEW), index=0)
+    while e.has_unfinished() or step == 0:
+        if step == 4:
+            e.add_request(prompts[5], SamplingParams(max_new_tokens=NEW), index=5)
+        for ev in e.step():
+            if ev.finished:
+                done[ev.index] = ev.output.token_ids
+        step += 1
+    assert done == {0: ref[0], 5: ref[5]}
+    assert e.blocks.num_free == e.num_pages
+    assert e.stats.pipelined_steps > before + 3
