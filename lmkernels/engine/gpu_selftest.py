@@ -60,6 +60,15 @@ def main(device: str = "cuda") -> int:
     check("CUDA graphs replayed", 8 in captured and e.graphs.replays > 0,
           f"buckets captured {captured}, {e.graphs and e.graphs.replays} replays; batch of 8: "
           f"{st.decode_tokens / st.decode_time:.0f} decode tokens/s, {dt:.2f} s")
+    pipelined = st.pipelined_steps
+    e.pipeline = False
+    sync = [o.token_ids for o in e.generate(prompts, params)]
+    st = e.stats
+    e.pipeline = True
+    same = sum(a == b for a, b in zip(graph, sync))
+    check("pipelined vs not pipelined greedy decode", same == len(prompts) and pipelined > new // 2,
+          f"{same}/{len(prompts)} identical, {pipelined} pipelined steps; not pipelined "
+          f"{st.decode_tokens / st.decode_time:.0f} decode tokens/s")
     graphs, e.graphs = e.graphs, None
     eager = [o.token_ids for o in e.generate(prompts, params)]
     st = e.stats
@@ -98,8 +107,38 @@ def main(device: str = "cuda") -> int:
     else:
         rc = cli_main(["generate", "What is the capital of France?", "--max-new-tokens", "32"])
         check("real SmolLM2 answer", rc == 0, f"exit {rc}")
+    if device == "cuda":
+        attention_splits_diag()
     print(f"engine GPU self-test: {len(fails)} failure(s) {fails}", flush=True)
     return 1 if fails else 0
+
+
+def attention_splits_diag():
+    """Timing only (a note for the attention op): the paged decode at the 8B model's shapes (32 q / 8 kv heads,
+    dim 128, pages of 16), B=1, as the engine's graphs call it (max_seqlen_k = the 8192-token context) against
+    other split counts."""
+    from ..bench.timing import time_ms
+    from ..ops.attention import attention_decode
+
+    hq, hk, d, ps, pages = 32, 8, 128, 16, 600
+    kc = torch.randn(pages, ps, hk, d, dtype=torch.bfloat16, device="cuda")
+    vc = torch.randn_like(kc)
+    q = torch.randn(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    table = torch.randperm(pages, device="cuda")[:512].int()[None].contiguous()
+    out = []
+    for ctx in (512, 4096):
+        lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        cells = []
+        for label, kw in (("graph (max 8192)", dict(max_seqlen_k=8192)), ("max=ctx", dict(max_seqlen_k=ctx)),
+                          ("splits 64", dict(max_seqlen_k=8192, num_splits=64)),
+                          ("splits 128", dict(max_seqlen_k=8192, num_splits=128))):
+            try:
+                ms = time_ms(lambda: attention_decode(q, kc, vc, table, lens, **kw))
+                cells.append(f"{label} {ms * 1e3:.1f} us")
+            except Exception as e:  # noqa: BLE001
+                cells.append(f"{label} failed ({type(e).__name__}: {e})")
+        out.append(f"ctx {ctx}: " + ", ".join(cells))
+    print("[diag] attention_decode B=1, 8B shapes: " + " | ".join(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def test_engine_suite_dry_run(dry_run):
     assert d512["pct_copy"] > 0 and d512["goal"]["copy"] is not None and d512["goal"]["peer"] is not None
     assert d512["ours_no_cuda_graph"]["tokens_per_s"] > 0
     assert prefill["ours"]["err"] < 1e-2 and prefill["goal"]["peer"] is not None
-    assert [p["name"] for p in batch["peers"]] == ["ours, no CUDA graph", "HF generate"]
+    assert [p["name"] for p in batch["peers"]] == ["ours, graphs, not pipelined", "ours, no CUDA graph", "HF generate"]
+    assert d512["ours_not_pipelined"]["tokens_per_s"] > 0
     assert launches["ours"]["kernels"] > 0 and launches["peers"][0]["kernels"] > 0
     md = report.render_markdown([{**result, "gpu": "dry", "versions": {}}])
     assert "engine_decode" in md and "engine_prefill" in md

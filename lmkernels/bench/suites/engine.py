@@ -14,7 +14,9 @@ Rows (figures in `unit`; "gbps" holds the row's figure so the report's columns a
   ≥ 10x HF.
 - prefill of 4096 tokens (one sequence, KV written to the cache, logits of the last token): tokens/s of a
   forward, ours against HF (`model(ids, logits_to_keep=1)`, sdpa); goal ≥ 1.15x HF.
-- decode throughput at batch 64 (context 512): ours with CUDA graphs, ours without, HF generate (tokens/s).
+- decode throughput at batch 64 (context 512): ours with CUDA graphs (pipelined greedy decode: step t + 1 is
+  launched before the tokens of step t are read), with graphs but not pipelined, without graphs, and HF
+  generate (tokens/s). The B=1 rows carry the not-pipelined and no-graph figures in their notes too.
 - kernels per decoder layer: CUDA kernels of one decode step (B=1, context 512) counted by the torch profiler,
   divided by the layers; "gbps" holds layers ÷ kernels ×100 (higher is better, so the ratio reads HF's count
   ÷ ours); the counts themselves are in the row's `kernels_per_layer` keys and note.
@@ -125,7 +127,7 @@ def median_ms(fn, repeats=REPEATS, warmup=2):
     return sorted(times)[len(times) // 2]
 
 
-def engine_decode(engine, prompts, new_tokens, cuda_graph=True):
+def engine_decode(engine, prompts, new_tokens, cuda_graph=True, pipeline=True):
     """(decode tokens/s, stats) of engine.generate over the prompts, greedy, after a short warm-up run with the
     same batch (graph capture and kernel compilation stay out of the figure)."""
     from ...engine import SamplingParams
@@ -133,11 +135,13 @@ def engine_decode(engine, prompts, new_tokens, cuda_graph=True):
     graphs = engine.graphs
     if not cuda_graph:
         engine.graphs = None
+    engine.pipeline = pipeline
     try:
         engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
         engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     finally:
         engine.graphs = graphs
+        engine.pipeline = True
     st = engine.stats
     return st.decode_tokens / st.decode_time, st
 
@@ -292,6 +296,12 @@ class Bench:
         except Exception as e:
             no_graph = _res("ours, no CUDA graph", "ours-eager", missing=short_error(e))
         try:
+            sync_tps, _ = engine_decode(self.engine, prompts, max(2, DECODE_TOKENS // 2), pipeline=False)
+            no_pipe = _res("ours, graphs, not pipelined", "ours-sync", sync_tps * per_token / 1e9,
+                           tokens_per_s=sync_tps)
+        except Exception as e:
+            no_pipe = _res("ours, graphs, not pipelined", "ours-sync", missing=short_error(e))
+        try:
             hf_tps = hf_decode(self.hf, prompts, HF_DECODE_TOKENS)
             hf = _res("HF generate", "hf", hf_tps * per_token / 1e9, tokens_per_s=hf_tps)
         except Exception as e:
@@ -299,6 +309,8 @@ class Bench:
             hf = _res("HF generate", "hf", missing=short_error(e))
         limit = self.copy_gbps * 1e9 / per_token if self.copy_gbps else None
         parts = [f"tokens/s: ours {ours.get('tokens_per_s', 0):.1f}"]
+        if "tokens_per_s" in no_pipe:
+            parts.append(f"graphs not pipelined {no_pipe['tokens_per_s']:.1f}")
         if "tokens_per_s" in no_graph:
             parts.append(f"no graph {no_graph['tokens_per_s']:.1f}")
         if "tokens_per_s" in hf:
@@ -311,6 +323,7 @@ class Bench:
         row = _row("engine_decode", label, [1, context], "GB/s", ours, [hf], self.copy_gbps,
                    {"copy": COPY_GOAL, "peer": HF_DECODE_GOAL}, note, nbytes=per_token)
         row["ours_no_cuda_graph"] = no_graph
+        row["ours_not_pipelined"] = no_pipe
         return row
 
     def prefill_row(self):
@@ -351,10 +364,12 @@ class Bench:
     def batch_row(self):
         prompts = random_prompts(BATCH, BATCH_CONTEXT, self.cfg.vocab_size, seed=5)
         res = []
-        for name, kind, graph in (("lmkernels engine", "ours", True), ("ours, no CUDA graph", "ours-eager", False)):
+        for name, kind, graph, pipe in (("lmkernels engine", "ours", True, True),
+                                        ("ours, graphs, not pipelined", "ours-sync", True, False),
+                                        ("ours, no CUDA graph", "ours-eager", False, False)):
             try:
-                tps, st = engine_decode(self.engine, prompts, BATCH_TOKENS, cuda_graph=graph)
-                res.append(_res(name, kind, tps, tokens_per_s=tps, steps=st.steps))
+                tps, st = engine_decode(self.engine, prompts, BATCH_TOKENS, cuda_graph=graph, pipeline=pipe)
+                res.append(_res(name, kind, tps, tokens_per_s=tps, steps=st.steps, pipelined=st.pipelined_steps))
             except Exception as e:
                 log_line(traceback.format_exc())
                 res.append(_res(name, kind, missing=short_error(e)))
