@@ -41,11 +41,27 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
+               K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Columns c0 … c0 + BK of the chunk's q, k (normalised) and log decay g (gated, 0 on padded rows)."""
+    dk = c0 + tl.arange(0, BK)
+    bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    bg = tl.load(g + tok[:, None] * s_gt + hh * s_gh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    if GATE > 0:
+        if HAS_BIAS:
+            bg = bg + tl.load(dt_bias + hh * K + dk).to(tl.float32)[None, :]
+        bg = _gate(bg, a, lower_bound, GATE)
+    bg = tl.where(rm[:, None], bg, 0.0)
+    return bq * rq[:, None], bk * rk[:, None], bg
+
+
+@triton.jit
 def _kda_intra(
     q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, aqk, gl, chunks,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
     PREC: tl.constexpr, NSQ: tl.constexpr,
 ):
@@ -54,90 +70,60 @@ def _kda_intra(
     start = tl.load(chunks + 2 * ic).to(tl.int64)
     n = tl.load(chunks + 2 * ic + 1)
     r = tl.arange(0, BT)
-    dk = tl.arange(0, K)
-    dv = tl.arange(0, V)
     rm = r < n
     tok = start + r
-    bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    bg = tl.load(g + tok[:, None] * s_gt + hh * s_gh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     bb = tl.load(beta + tok * s_bt + hh * s_bh, mask=rm, other=0.0).to(tl.float32)
-    rq = tl.full([BT], 1.0, tl.float32)
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2:
-        rq = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
-        rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
-        bq = bq * rq[:, None]
-        bk = bk * rk[:, None]
     if BETA_SIG:
         bb = tl.sigmoid(bb)
     bb = tl.where(rm, bb, 0.0)
+    rq = tl.full([BT], 1.0, tl.float32)
+    rk = tl.full([BT], 1.0, tl.float32)
+    if L2:  # row norms first (a pass over the key channels)
+        sq = tl.zeros([BT], tl.float32)
+        sk = tl.zeros([BT], tl.float32)
+        for c0 in tl.static_range(0, K, BK):
+            dk = c0 + tl.arange(0, BK)
+            x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+            y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+            sq += tl.sum(x * x, 1)
+            sk += tl.sum(y * y, 1)
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
     a = 1.0
-    bias = tl.zeros([K], tl.float32)
     if GATE > 0:
         a = tl.exp(tl.load(A_log + hh).to(tl.float32))
-        if HAS_BIAS:
-            bias = tl.load(dt_bias + hh * K + dk).to(tl.float32)
-        bg = _gate(bg + bias[None, :], a, lower_bound, GATE)
-    bg = tl.where(rm[:, None], bg, 0.0)
 
-    blk = r // BS
     causal = r[:, None] > r[None, :]
     causal_d = r[:, None] >= r[None, :]
-    A = tl.zeros([BT, BT], tl.float32)
-    Aq = tl.zeros([BT, BT], tl.float32)
-    if SAFE == 2:
-        # one reference per 16-row block: the Γ of its middle row P_a; rows i of block a pair with columns
-        # j < end of block a: exp(Γ_i − P_a) · exp(P_a − Γ_j), both ≤ e^{8|lb|} (≤ 1 for j before the block)
-        NB2: tl.constexpr = BT // BS
-        g3 = tl.reshape(bg, [NB2, BS, K])
-        tot = tl.sum(g3, 1)
-        G3 = tl.cumsum(g3, 1) + (tl.cumsum(tot, 0) - tot)[:, None, :]
-        G = tl.reshape(G3, [BT, K])
+    NB: tl.constexpr = BT // BS
+    if SAFE:
+        # one reference per BS-row block: the Γ of its middle row P_a; rows i of block a pair with columns
+        # j < end of block a as exp(Γ_i − P_a) · exp(P_a − Γ_j): both ≤ e^{8|lb|}, ≤ 1 for j before the block
+        A3 = tl.zeros([NB, BS, BT], tl.float32)
+        Aq3 = tl.zeros([NB, BS, BT], tl.float32)
         j3 = tl.arange(0, BS)
-        P = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, G3, 0.0), 1)  # [NB, K]
-        eR = tl.exp(G3 - P[:, None, :])
-        R3 = tl.reshape(bk, [NB2, BS, K]) * eR
-        Q3 = tl.reshape(bq, [NB2, BS, K]) * (eR * scale)
-        nb = tl.arange(0, NB2)
-        colok = (r[None, :] < (nb[:, None] + 1) * BS)[:, :, None]  # [NB, BT, 1]
-        ex = tl.where(colok, P[:, None, :] - G[None, :, :], 0.0)
-        C3 = tl.where(colok, bk[None, :, :] * tl.exp(ex), 0.0)  # [NB, BT, K]
-        C3t = tl.permute(C3, (0, 2, 1))
-        A = tl.where(causal, tl.reshape(tl.dot(R3, C3t, input_precision=PREC), [BT, BT]), 0.0)
-        Aq = tl.where(causal_d, tl.reshape(tl.dot(Q3, C3t, input_precision=PREC), [BT, BT]), 0.0)
-    elif SAFE == 1:
-        NB: tl.constexpr = BT // BS
-        g3 = tl.reshape(bg, [NB, BS, K])
-        Gl3 = tl.cumsum(g3, 1)  # Γ inside each sub-chunk
-        tot = tl.sum(g3, 1)  # [NB, K]
-        off = tl.cumsum(tot, 0) - tot  # Γ before each sub-chunk
-        G = tl.reshape(Gl3 + off[:, None, :], [BT, K])
-        Gl = tl.reshape(Gl3, [BT, K])
-        # pairs in different sub-chunks: reference = start of row i's sub-chunk
-        Kr = bk * tl.exp(Gl)
-        Qr = bq * (tl.exp(Gl) * scale)
         nb = tl.arange(0, NB)
-        for ab in tl.static_range(1, NB):
-            Ra = tl.sum(tl.where(nb[:, None] == ab, off, 0.0), 0)  # [K]
-            cm = r < ab * BS
-            Kc = tl.where(cm[:, None], bk * tl.exp(tl.minimum(Ra[None, :] - G, 0.0)), 0.0)
-            rows = (blk == ab)[:, None]
-            A += tl.where(rows, tl.dot(Kr, tl.trans(Kc), input_precision=PREC), 0.0)
-            Aq += tl.where(rows, tl.dot(Qr, tl.trans(Kc), input_precision=PREC), 0.0)
-        # pairs inside one sub-chunk: reference = the sub-chunk's middle (bounded gate)
-        j3 = tl.arange(0, BS)
-        M3 = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, Gl3, 0.0), 1)  # [NB, K]
-        Mrow = tl.reshape(tl.broadcast_to(M3[:, None, :], [NB, BS, K]), [BT, K])
-        Dr = bk * tl.exp(Gl - Mrow)
-        Dc = bk * tl.exp(Mrow - Gl)
-        Dq = bq * (tl.exp(Gl - Mrow) * scale)
-        same = blk[:, None] == blk[None, :]
-        A += tl.where(same & causal, tl.dot(Dr, tl.trans(Dc), input_precision=PREC), 0.0)
-        Aq += tl.where(same & causal_d, tl.dot(Dq, tl.trans(Dc), input_precision=PREC), 0.0)
+        colok = (r[None, :] < (nb[:, None] + 1) * BS)[:, :, None]  # [NB, BT, 1]
+        for c0 in tl.static_range(0, K, BK):
+            bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt,
+                                    s_kh, s_gt, s_gh, K, BK, GATE, HAS_BIAS)
+            g3 = tl.reshape(bg, [NB, BS, BK])
+            tot = tl.sum(g3, 1)
+            G3 = tl.cumsum(g3, 1) + (tl.cumsum(tot, 0) - tot)[:, None, :]
+            G = tl.reshape(G3, [BT, BK])
+            P = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, G3, 0.0), 1)  # [NB, BK]
+            eR = tl.exp(G3 - P[:, None, :])
+            R3 = tl.reshape(bk, [NB, BS, BK]) * eR
+            Q3 = tl.reshape(bq, [NB, BS, BK]) * (eR * scale)
+            ex = tl.where(colok, P[:, None, :] - G[None, :, :], 0.0)
+            C3t = tl.permute(tl.where(colok, bk[None, :, :] * tl.exp(ex), 0.0), (0, 2, 1))  # [NB, BK, BT]
+            A3 = tl.dot(R3, C3t, A3, input_precision=PREC)
+            Aq3 = tl.dot(Q3, C3t, Aq3, input_precision=PREC)
+        A = tl.where(causal, tl.reshape(A3, [BT, BT]), 0.0)
+        Aq = tl.where(causal_d, tl.reshape(Aq3, [BT, BT]), 0.0)
     else:
-        G = tl.cumsum(bg, 0)
+        A = tl.zeros([BT, BT], tl.float32)
+        Aq = tl.zeros([BT, BT], tl.float32)
         # one exponent per (i, j, d): walk the key channels, recomputing each gate column from memory
         for d in range(K):
             kc = tl.load(k + tok * s_kt + hh * s_kh + d, mask=rm, other=0.0).to(tl.float32) * rk
@@ -153,29 +139,35 @@ def _kda_intra(
             E = tl.exp(tl.where(causal_d, Gc[:, None] - Gc[None, :], float("-inf")))
             A += tl.where(causal, kc[:, None] * kc[None, :] * E, 0.0)
             Aq += qc[:, None] * kc[None, :] * E
+    tl.store(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], Aq.to(aqk.dtype.element_ty), mask=rm[:, None])
     A = A * bb[:, None]
 
     # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular (A^BT = 0)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
     Tm = eye - A
-    P = A
+    Pw = A
     for _ in tl.static_range(NSQ):
-        P = tl.dot(P, P, input_precision=PREC)
-        Tm = tl.dot(Tm, eye + P, input_precision=PREC)
+        Pw = tl.dot(Pw, Pw, input_precision=PREC)
+        Tm = tl.dot(Tm, eye + Pw, input_precision=PREC)
 
-    eG = tl.exp(G)
-    Wt = tl.dot(Tm, bk * eG * bb[:, None], input_precision=PREC)
-    Ut = tl.dot(Tm, bv * bb[:, None], input_precision=PREC)
-    Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
-    QG = bq * eG * scale
-    KG = bk * tl.exp(Glast[None, :] - G)
-    ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
-    tl.store(w + ot, Wt.to(w.dtype.element_ty), mask=rm[:, None])
-    tl.store(qg + ot, QG.to(qg.dtype.element_ty), mask=rm[:, None])
-    tl.store(kg + ot, KG.to(kg.dtype.element_ty), mask=rm[:, None])
-    tl.store(u + tok[:, None] * (H * V) + hh * V + dv[None, :], Ut.to(u.dtype.element_ty), mask=rm[:, None])
-    tl.store(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], Aq.to(aqk.dtype.element_ty), mask=rm[:, None])
-    tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
+    Tb = Tm * bb[None, :]  # T diag(β)
+    for c0 in tl.static_range(0, K, BK):
+        bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh,
+                                s_gt, s_gh, K, BK, GATE, HAS_BIAS)
+        G = tl.cumsum(bg, 0)
+        Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
+        eG = tl.exp(G)
+        dk = c0 + tl.arange(0, BK)
+        ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
+        tl.store(w + ot, tl.dot(Tb, bk * eG, input_precision=PREC).to(w.dtype.element_ty), mask=rm[:, None])
+        tl.store(qg + ot, (bq * eG * scale).to(qg.dtype.element_ty), mask=rm[:, None])
+        tl.store(kg + ot, (bk * tl.exp(Glast[None, :] - G)).to(kg.dtype.element_ty), mask=rm[:, None])
+        tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
+    for c0 in tl.static_range(0, V, BK):
+        dv = c0 + tl.arange(0, BK)
+        bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        tl.store(u + tok[:, None] * (H * V) + hh * V + dv[None, :],
+                 tl.dot(Tb, bv, input_precision=PREC).to(u.dtype.element_ty), mask=rm[:, None])
 
 
 @triton.jit
@@ -285,13 +277,15 @@ def _kda_decode(
 def prefill_config(K, V, n_seqs, heads):
     """Launch parameters: (intra warps, intra stages, state block of V, state warps, state stages)."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(intra_warps=8 if K >= 128 else 4, intra_stages=1, BV=min(bv, V), state_warps=4, state_stages=2,
-                PREC="tf32", SAFE=2)
+    return dict(intra_warps=8, intra_stages=1, BK=16, BV=min(bv, V), state_warps=4, state_stages=3, PREC="tf32",
+                SAFE=1)
 
 
 def decode_config(K, V, n, heads):
-    bv = 16 if n * heads * (V // 32) < 1024 else 32
-    return dict(BV=min(bv, V), num_warps=4 if K * bv >= 4096 else 2)
+    """Enough programs (sequence × head × V block) to fill the GPU: narrow V blocks for small batches."""
+    pairs = n * heads
+    bv = 32 if pairs >= 256 else (16 if pairs >= 64 else 8)
+    return dict(BV=min(bv, V), num_warps=4 if bv >= 32 else 2)
 
 
 def _chunk_table(cu_list):
@@ -304,7 +298,7 @@ def _chunk_table(cu_list):
 
 
 _META = {}
-TUNE = {}  # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "skip_state": bool}
+TUNE = {}  # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
 
@@ -347,14 +341,14 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     aqk = torch.empty(T, H, BT, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
-    safe = cfg["SAFE"] if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
+    safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     if nc:
         LAUNCHED["intra"] = _kda_intra[(nc, H)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             w, u, qg, kg, aqk, gl, chunks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
-            H=H, K=K, V=V, BT=BT, BS=BS, GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
+            H=H, K=K, V=V, BT=BT, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
             BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2,
             num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"])
     if TUNE.get("skip_state"):
@@ -376,7 +370,8 @@ def decode(q, k, v, g, beta, pool, idx, scale, A_log, dt_bias, lower_bound, l2, 
     o = torch.zeros(N, Q, H, V, device=q.device, dtype=v.dtype)
     if N == 0 or Q == 0:
         return o
-    cfg = {**decode_config(K, V, N, H), **TUNE.get("decode", {}), **(config or {})}
+    cfg = {**decode_config(K, V, N, H), **TUNE.get("decode_by_n", {}).get(N, {}), **TUNE.get("decode", {}),
+           **(config or {})}
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     BV = cfg["BV"]
     LAUNCHED["decode"] = _kda_decode[(N, H, V // BV)](

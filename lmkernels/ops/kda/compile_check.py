@@ -1,0 +1,54 @@
+"""Compile the KDA kernels for Hopper (sm_90) without a GPU and print registers, stack (spills), shared memory and
+tensor-core instruction counts per configuration: `python -m lmkernels.ops.kda.compile_check`. A development aid
+(uses the attention family's compile helper, triton 3.6 internals)."""
+
+import sys
+
+from ..attention.compile_check import _show, compile_kernel
+from . import kernels as K
+
+
+def intra(cfg=None, gate=2, dtype="bf16", k=128, v=128):
+    cfg = {**K.prefill_config(k, v, 1, 32), **(cfg or {})}
+    types = {n: "*" + dtype for n in ("q", "k", "v", "g", "beta", "w", "u", "qg", "kg", "aqk")}
+    types.update(A_log="*fp32", dt_bias="*fp32", gl="*fp32", chunks="*i32", scale="fp32", lower_bound="fp32")
+    ce = dict(H=32, K=k, V=v, BT=K.BT, BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
+              SAFE=gate == 2 and bool(cfg["SAFE"]), PREC=cfg["PREC"], NSQ=K.BT.bit_length() - 2)
+    return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"])
+
+
+def state(cfg=None, dtype="bf16", k=128, v=128):
+    cfg = {**K.prefill_config(k, v, 1, 32), **(cfg or {})}
+    types = {n: "*" + dtype for n in ("w", "u", "qg", "kg", "aqk", "o")}
+    types.update(gl="*fp32", cu="*i32", chunk_off="*i32", h0="*fp32", h0_idx="*i32", ht="*fp32", ht_idx="*i32")
+    ce = dict(H=32, K=k, V=v, BV=cfg["BV"], BT=K.BT, HAS_H0=True, STORE_HT=True, INTERPRET=False)
+    return compile_kernel(K._kda_state, types, ce, cfg["state_warps"], cfg["state_stages"])
+
+
+def decode(cfg=None, dtype="bf16", k=128, v=128, n=64):
+    cfg = {**K.decode_config(k, v, n, 32), **(cfg or {})}
+    types = {n_: "*" + dtype for n_ in ("q", "k", "v", "g", "beta", "o")}
+    types.update(A_log="*fp32", dt_bias="*fp32", pool="*fp32", idx="*i32", scale="fp32", lower_bound="fp32")
+    ce = dict(Q=1, H=32, K=k, V=v, BV=cfg["BV"], GATE=2, HAS_BIAS=True, L2=True, BETA_SIG=True)
+    return compile_kernel(K._kda_decode, types, ce, cfg["num_warps"], 1)
+
+
+def main(argv=None):
+    which = (argv or sys.argv[1:] or ["all"])[0]
+    if which in ("intra", "all"):
+        for w in (4, 8):
+            for bk in (16, 32, 64):
+                _show(f"intra safe w{w} BK{bk}", intra(dict(intra_warps=w, BK=bk)))
+        _show("intra softplus (per-element) w4", intra(dict(intra_warps=4), gate=1))
+    if which in ("state", "all"):
+        for bv in (16, 32, 64):
+            for w in (4, 8):
+                _show(f"state BV{bv} w{w}", state(dict(BV=bv, state_warps=w)))
+    if which in ("decode", "all"):
+        for bv, w in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4)):
+            _show(f"decode BV{bv} w{w}", decode(dict(BV=bv, num_warps=w)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
