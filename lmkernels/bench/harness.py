@@ -229,9 +229,9 @@ def goal_text(row: dict) -> str:
     """"met", "FAILED", or "miss: copy, peer" (a goal that cannot be judged, e.g. no peer ran, is "n/a")."""
     if row.get("status") != "ok":
         return "FAILED"
-    goal = row.get("goal") or {}
-    misses = [k for k in ("copy", "peer") if goal.get(k) is False]
-    unknown = [k for k in ("copy", "peer") if goal.get(k) is None]
+    goal = row.get("goal") or {}  # kind (copy, peer, gemm, ...) → True / False / None (not judged)
+    misses = [k for k, v in goal.items() if v is False]
+    unknown = [k for k, v in goal.items() if v is None]
     if misses:
         return "miss: " + ", ".join(misses)
     if unknown:

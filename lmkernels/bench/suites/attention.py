@@ -123,7 +123,7 @@ def _row(op, label, shape, nbytes, flops, unit, ours, peers, copy_gbps, goals, n
     row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, "flops": flops,
            "unit": unit, "note": note, "status": "FAILED" if failure else "ok", "failure": failure,
            "ours": ours, "peers": peers, "pct_copy": None, "best_peer": best and best["name"],
-           "best_peer_gbps": best and best["gbps"], "ratio": None, "goal": {"copy": None, "peer": None}}
+           "best_peer_gbps": best and best["gbps"], "ratio": None, "goal": {k: None for k in goals}}
     if "ms_first" in ours and "ms" in ours:
         row["ours"]["spread_pct"] = 100 * abs(ours["ms_first"] - ours["ms"]) / ours["ms"]
     if failure:
