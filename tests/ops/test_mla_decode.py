@@ -53,6 +53,14 @@ def test_decode_splits_mtp(num_splits):
     _check(*_setup([150, 1, 0, 67], heads=16, n_new=2, page=16), num_splits=num_splits, max_seqlen_k=160)
 
 
+def test_decode_many_splits(monkeypatch):
+    """More splits than one merge step reads (MERGE_CHUNK_S), and the merge's column blocks."""
+    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
+    n_splits = kernels.MERGE_CHUNK_S + 5
+    _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
+
+
 def test_decode_128_heads():
     """128 heads: two 64-row blocks per sequence; tiny context."""
     _check(*_setup([40, 19], heads=128, n_new=1, page=16), num_splits=2)
@@ -113,7 +121,7 @@ def test_decode_bad_inputs():
     with pytest.raises(ValueError, match="seq_lens"):
         mla_decode(q_nope, q_pe, cache, tables, seq_lens[:1], scale=SCALE)
     with pytest.raises(ValueError, match="num_splits"):
-        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, num_splits=129)
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, num_splits=257)
     with pytest.raises(ValueError, match="scale"):
         mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=0.0)
     with pytest.raises(ValueError, match="cache_scales"):

@@ -13,7 +13,7 @@ from .reference import KV_LORA_RANK, LATENT_DIM, N_SCALES, ROPE_DIM
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 
 
 def _int_like(name, x, minimum=None, maximum=None):
@@ -193,7 +193,7 @@ def mla_decode(
     latent_cache [num_pages, page_size, 576]: q's dtype, or float8_e4m3fn with cache_scales
     ([num_pages, page_size, 5] float32). block_tables [B, max_pages] int32/int64, seq_lens [B]: each
     sequence's length including its Q new tokens (already written). scale: the softmax scale (DeepSeek:
-    1/sqrt(192) · mscale²). num_splits: split-KV count (1 … 128); None picks it from batch, heads, the SM
+    1/sqrt(192) · mscale²). num_splits: split-KV count (1 … 256); None picks it from batch, heads, the SM
     count and max_seqlen_k (a bound on seq_lens; default the block table's capacity), never from the
     lengths' values, so CUDA graphs capture the launch. A query with no visible key: o = 0, lse = −inf.
     o_lat → output: o · W_UVᵀ (the caller's job). Data checks (seq_lens fit the page table, pages in range)

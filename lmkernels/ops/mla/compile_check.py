@@ -40,8 +40,9 @@ def main(argv=None):
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
     mtypes = dict(part_o_ptr="*fp32", part_l_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
-    _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=4, KV_LORA=512,
-                                                                        BLOCK_N=32, INTERPRET=False), 4, 1))
+    _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512,
+                                                                        BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
+                                                                        INTERPRET=False), 4, 1))
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",
                  sc_ptr="*fp32", eps="fp32")
     for cache in ("bf16", "fp8e4nv"):

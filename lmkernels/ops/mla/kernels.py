@@ -284,14 +284,16 @@ def _mla_merge_kernel(
     stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
     heads, chunk_min, num_splits,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits, read
-    CHUNK_S partial rows at a time (a [64, 512] fp32 tile would not fit in registers)."""
+    """BLOCK_D columns of one (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty
+    splits, CHUNK_S partial rows at a time. Column blocks are separate programs: at B=1 the merge reads up to
+    256 splits × 2 KB per row, and 16 heads alone would leave the GPU nearly idle."""
     batch = tl.program_id(0).to(tl.int64)
     tok = tl.program_id(1) // heads
     head = tl.program_id(1) % heads
+    col = tl.program_id(2)
     seq_len = tl.load(len_ptr + batch)
     _, _, n_valid = _split_range(seq_len, 0, chunk_min, num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
@@ -300,10 +302,10 @@ def _mla_merge_kernel(
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse_s - m_safe), 0)
-    d = tl.arange(0, KV_LORA)
+    d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     c = tl.arange(0, CHUNK_S)
     obase = part_o_ptr + batch * stride_pb + tok * stride_pt + head * stride_ph
-    out = tl.zeros([KV_LORA], tl.float32)
+    out = tl.zeros([BLOCK_D], tl.float32)
     if INTERPRET:  # the interpreter cannot take tensor range() bounds
         s0 = 0
         while s0 < n_valid:
@@ -315,7 +317,8 @@ def _mla_merge_kernel(
     out = out / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + batch * stride_ob + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
     lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
-    tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
+    if col == 0:
+        tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
 
 
 _SM_COUNT = {}
@@ -332,7 +335,8 @@ def sm_count(device) -> int:
 
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, 512-wide partial write, merge) dominate
-MAX_SPLITS = 128
+MAX_SPLITS = 256
+MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32  # merge tile: 32 splits × 64 columns (16 fp32 registers a thread)
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -407,9 +411,9 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
     )
     if num_splits > 1:
-        _mla_merge_kernel[(batch, n_new * heads)](
+        _mla_merge_kernel[(batch, n_new * heads, KV_LORA // MERGE_BLOCK_D)](
             out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=4, KV_LORA=KV_LORA,
-            BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
+            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=MERGE_CHUNK_S, KV_LORA=KV_LORA,
+            BLOCK_D=MERGE_BLOCK_D, BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
         )
     return o, lse
