@@ -111,6 +111,10 @@ def _generate(args):
     except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"lmkernels generate: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # gguf, safetensors or transformers (the [hf] extra)
+        print(f"lmkernels generate: error: this model needs the Python package {e.name or e}, which is not "
+              f"installed: pip install 'lmkernels[hf]'", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("lmkernels generate: interrupted", file=sys.stderr)
         return 130

@@ -82,3 +82,16 @@ def test_smollm2_knows_the_capital_of_france(capsys):
     answer, stats = out.strip().splitlines()[0], out.strip().splitlines()[-1]
     assert "Paris" in answer
     assert "prefill" in stats and "decode" in stats and "tokens/s" in stats
+
+
+def test_missing_package(capsys, monkeypatch, tmp_path):
+    import sys
+
+    from lmkernels.loading import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the [hf] extra were not installed
+    assert "pip install 'lmkernels[hf]'" in _error(capsys, ["hi"])
