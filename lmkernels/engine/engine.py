@@ -6,8 +6,12 @@
 
 Each step runs at most two forwards: one prefill forward over the scheduled prompt chunks (varlen attention,
 or paged "append" attention when a chunk continues a cached prefix) and one decode forward over the requests
-that have one pending token (paged decode attention). Errors the user can cause (bad prompt, bad sampling
-values, a request that can never fit in the cache) are ValueError with a message meant for them.
+that have one pending token (paged decode attention). On a GPU the decode forward is a CUDA graph replay per
+batch-size bucket (cuda_graph.py); when every running request decodes greedily and nothing waits to join, the
+next decode step is launched before this one's tokens are read (pipelined decode: the graph leaves its argmax in
+the next step's input ids), so the host's bookkeeping overlaps the GPU's work. Errors the user can cause (bad
+prompt, bad sampling values, a request that can never fit in the cache) are ValueError with a message meant for
+them.
 """
 
 import random
