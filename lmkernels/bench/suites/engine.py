@@ -226,7 +226,7 @@ def _row(op, label, shape, unit, ours, peers, copy_gbps, goals, note="", nbytes=
     row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, "unit": unit,
            "note": note, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers,
            "pct_copy": None, "best_peer": best and best["name"], "best_peer_gbps": best and best["gbps"],
-           "ratio": None, "goal": {"copy": None, "peer": None}}
+           "ratio": None, "goal": {k: None for k in goals}}  # only the goals that apply to the row
     if failure:
         return row
     if unit == "GB/s" and copy_gbps:
