@@ -77,7 +77,7 @@ def test_prefill_dense_k128_no_initial_state():
 
 @pytest.mark.parametrize("gate,lb,fs", [("softplus", None, 8.0), ("safe", -10.0, 8.0)])
 def test_prefill_strong_decay_no_overflow(gate, lb, fs):
-    """Decays of −10…−60 per token: Γ spans thousands within a chunk; exp(Γ_i − Γ_j) must stay one exponent."""
+    """Decays of −10…−60 per token: Γ spans thousands in a chunk; exp(Γ_i − Γ_j) must stay one exponent."""
     H, K, V = 1, 64, 64
     q, k, v, f, b = inputs(1, 64 + 29, H, K, V, torch.float32, gate_scale=fs)
     f = f.abs() + 2
@@ -100,8 +100,8 @@ def test_prefill_then_decode_equals_prefill():
     lens = [T0, 1, T0 - 5]  # ragged prefix lengths: packed varlen prefill into the pool
     cu = torch.tensor([0, *lens]).cumsum(0)
     pack = lambda x: torch.cat([x[n, :lens[n]] for n in range(N)])[None]  # noqa: E731
-    o0, none = kda_prefill(*(pack(x) for x in (q, k, v, f, b)), cu_seqlens=cu, state_pool=pool, state_indices=idx,
-                           **kw)
+    packed = [pack(x) for x in (q, k, v, f, b)]
+    o0, none = kda_prefill(*packed, cu_seqlens=cu, state_pool=pool, state_indices=idx, **kw)
     assert none is None
     for n in range(N):
         s = int(cu[n])

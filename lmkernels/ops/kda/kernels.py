@@ -298,7 +298,8 @@ def _chunk_table(cu_list):
 
 
 _META = {}
-TUNE = {}  # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool}
+# overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool}
+TUNE = {}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
 
