@@ -96,10 +96,13 @@ def test_split_heuristic():
     cfg = kernels.decode_config(16)
     assert cfg["BLOCK_M"] == 16
     assert kernels.decode_config(128)["BLOCK_M"] == 64
-    assert kernels.decode_num_splits(1, 1, 8192, 132, 2) == 32  # 8192 / 256
+    assert kernels.decode_num_splits(1, 1, 8192, 132, 2) == 64  # 8192 / 128
+    assert kernels.decode_num_splits(1, 1, 1024, 132, 4) == 32  # short context: 32 splits of 32 keys
+    assert kernels.decode_num_splits(1, 1, 32768, 132, 4) == 128  # the automatic cap
     assert kernels.decode_num_splits(128, 2, 8192, 132, 1) == 1
     assert kernels.decode_num_splits(32, 1, 32768, 132, 2) == 9
-    assert kernels.decode_num_splits(1, 1, 100, 132, 2) == 1
+    assert kernels.decode_num_splits(1, 1, 100, 132, 2) == 3
+    assert kernels.decode_num_splits(1, 1, 20, 132, 2) == 1
 
 
 def test_decode_bad_inputs():
