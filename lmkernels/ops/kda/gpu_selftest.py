@@ -234,8 +234,7 @@ def tune():
     fla_err = rel_err(fla_prefill(*args)[0].float(), wo)
     res = {"fla": tm(fla_prefill, args), "fla_err": fla_err}
     best = None
-    for name, cfg in (("w8bk16", {}), ("w8bk32", {"BK": 32}), ("w4bk16", {"intra_warps": 4}),
-                      ("w8bk16-ss2", {"state_stages": 2}), ("w8bk16-bv16", {"BV": 16})):
+    for name, cfg in (("default", {}), ("inv-blocked", {"INV": 1}), ("inv-blocked-bk16", {"INV": 1, "BK": 16})):
         kernels.TUNE.clear()
         kernels.TUNE["prefill"] = cfg
         try:
@@ -250,7 +249,7 @@ def tune():
     OUT["tune_prefill"] = res
     dres = {}
     dbest = {}
-    for b in (1, 16, 256):
+    for b in (() if "--no-decode-tune" in sys.argv else (1, 16, 256)):
         rows = {}
         K = 128
         n_sets = timing.rotation_count(2 * b * 32 * K * K * 4, timing.l2_bytes())
@@ -292,7 +291,8 @@ def tune():
 
 
 def final():
-    """Tune a little, then run the "kda" bench suite with the chosen configuration."""
+    """Tune a little (the intra kernel's inverse variants; decode launch shapes unless --no-decode-tune), then
+    run the "kda" bench suite with the chosen configuration (--quick: one prefill row and every decode row)."""
     import lmkernels.bench as bench
 
     t0 = time.time()
@@ -303,7 +303,8 @@ def final():
         kernels.TUNE.clear()
     log("tuned", time.time() - t0)
     out = os.environ["OUT"]
-    rc = bench.main(["kda"], results_dir=out + "/results", markdown_path=out + "/BENCHMARKS.md")
+    rc = bench.main(["kda"], results_dir=out + "/results", markdown_path=out + "/BENCHMARKS.md",
+                    quick="--quick" in sys.argv)
     log("suite done", time.time() - t0)
     return rc
 
