@@ -5,10 +5,12 @@ Prefill, chunks of BT = 64 tokens that never cross a sequence boundary:
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
    W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V, Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ), e^Γ_C.
-   exp(Γ_i − Γ_j) is never split around a point outside [j, i]: pairs in different 16-token sub-chunks use
-   the start of i's sub-chunk as reference (both factors ≤ 1); pairs inside one sub-chunk use the
-   sub-chunk's middle when the gate is bounded (fused safe gate, lower_bound ≥ −10: factors ≤ e^{8|lb|}),
-   otherwise one exponent per (i, j, d) (general gates, slower).
+   exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
+   (lower_bound ≥ −10) each 16-row block a uses the Γ of its middle row P_a as reference, pairing row i of
+   block a with column j < end of block a as exp(Γ_i − P_a)·exp(P_a − Γ_j) (each factor ≤ e^{8|lb|}, ≤ 1
+   for j before the block); other gates use one exponent per (i, j, d) (slower). Key channels are walked in
+   blocks of BK (no register spills). INV = 1 swaps the Neumann chain for a blocked inverse (16×16 blocks,
+   then (I + X)⁻¹ = (I − X)(I + X²) for the block-lower part): tested, not yet timed on the GPU.
 2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks):
    Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read from
    and written to a state pool.
