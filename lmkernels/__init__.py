@@ -1,5 +1,6 @@
 """lmkernels: Triton kernels for LLM inference, each checked against a plain PyTorch reference."""
 
+from .engine import Engine, SamplingParams
 from .ops.activation import gelu_and_mul, silu_and_mul
 from .ops.attention import (
     attention_decode, attention_prefill, attention_prefill_paged, merge_attention_states, write_kv_cache,
@@ -10,7 +11,7 @@ from .ops.rope import apply_rotary, build_cos_sin_cache
 
 __version__ = "0.1.0"
 __all__ = [
-    "DeepseekV3MLA", "apply_rotary", "attention_decode", "attention_prefill", "attention_prefill_paged",
+    "DeepseekV3MLA", "Engine", "SamplingParams", "apply_rotary", "attention_decode", "attention_prefill", "attention_prefill_paged",
     "build_cos_sin_cache", "gelu_and_mul", "layer_norm", "layer_norm_gelu", "merge_attention_states",
     "mla_decode", "mla_prefill", "new_latent_cache", "rms_norm", "silu_and_mul", "write_kv_cache",
     "write_latent_cache",

@@ -230,6 +230,8 @@ def goal_text(row: dict) -> str:
     if row.get("status") != "ok":
         return "FAILED"
     goal = row.get("goal") or {}  # kind (copy, peer, gemm, ...) → True / False / None (not judged)
+    if not goal:  # a row reported for information, with no goal
+        return "–"
     misses = [k for k, v in goal.items() if v is False]
     unknown = [k for k, v in goal.items() if v is None]
     if misses:
