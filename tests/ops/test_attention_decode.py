@@ -248,7 +248,10 @@ def test_num_splits_heuristic():
     assert kernels.decode_num_splits(32, 8, 1, 4096, h100) == 8  # 512-key chunks
     assert kernels.decode_num_splits(64, 8, 1, 16384, h100) == 32
     assert kernels.decode_num_splits(32, 8, 1, 32768, h100) == 33  # a 32k sequence alone spreads over 264 programs
-    assert kernels.decode_num_splits(1, 8, 1, 300, h100) == 1  # short context: no split
+    assert kernels.decode_num_splits(1, 8, 1, 512, h100) == 8  # short context: 8 splits of 64 keys
+    assert kernels.decode_num_splits(1, 8, 1, 2048, h100) == 8
+    assert kernels.decode_num_splits(1, 8, 1, 300, h100) == 4
+    assert kernels.decode_num_splits(1, 8, 1, 100, h100) == 1
     assert kernels.decode_num_splits(0, 8, 1, 4096, h100) >= 1
     assert kernels.decode_chunk(32768, 33, 64) == 1024 and kernels.decode_chunk(4096, 1, 64) == 0
 

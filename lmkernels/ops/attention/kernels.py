@@ -898,13 +898,15 @@ def sm_count(device) -> int:
     return _SM_COUNT[index]
 
 
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, partial write, merge) dominate
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, partial write, merge) dominate …
+SHORT_SPLITS = 8  # … except that short contexts still get up to 8 splits of ≥ 64 keys (B=1 at 512: 13.8 → 9.2 µs)
 MIN_CHUNK = 512  # keys per split when splitting only to spread one long sequence
 MAX_SPLITS = 64
 
 
 def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_context: int, num_sms: int) -> int:
-    """Splits of the key range: the larger of two needs, each program keeping ≥ 256 keys.
+    """Splits of the key range: the larger of two needs, each program keeping ≥ 256 keys (short contexts:
+    up to SHORT_SPLITS splits of ≥ 64 keys).
 
     fill: a batch of equal sequences gives ~2 programs per SM (B=1 at 8k with 8 kv heads: 32 splits of 256).
     long: the longest possible sequence alone gives ~2 programs per SM with ≥ 512-key chunks, so a
@@ -916,7 +918,7 @@ def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_context: int
     fill = triton.cdiv(2 * num_sms, programs)
     chunk_long = max(MIN_CHUNK, triton.cdiv(max_context * kv_heads * m_blocks, 2 * num_sms))
     long = triton.cdiv(max_context, chunk_long)
-    fit = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    fit = max(1, max_context // MIN_KEYS_PER_SPLIT, min(SHORT_SPLITS, max_context // 64))
     return max(1, min(max(fill, long), fit, MAX_SPLITS))
 
 
