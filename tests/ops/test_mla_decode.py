@@ -96,7 +96,8 @@ def test_split_heuristic():
     cfg = kernels.decode_config(16)
     assert cfg["BLOCK_M"] == 16
     assert kernels.decode_config(128)["BLOCK_M"] == 64
-    assert kernels.decode_num_splits(1, 1, 8192, 132, 2) == 64  # 8192 / 128
+    assert kernels.decode_num_splits(1, 1, 8192, 132, 2) == 64  # B=1: 8192 / 128
+    assert kernels.decode_num_splits(32, 1, 1024, 132, 4) == 4  # a batch fills the GPU: 256-key splits
     assert kernels.decode_num_splits(1, 1, 1024, 132, 4) == 32  # short context: 32 splits of 32 keys
     assert kernels.decode_num_splits(1, 1, 32768, 132, 4) == 128  # the automatic cap
     assert kernels.decode_num_splits(128, 2, 8192, 132, 1) == 1

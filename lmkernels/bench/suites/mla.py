@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import harness, timing
 from ..counts import gbps, tflops
-from ..harness import log_line, rel_err, short_error
+from ..harness import goal_text, log_line, rel_err, short_error
 
 PAGE = 64
 SCALE = 192 ** -0.5
@@ -275,6 +275,5 @@ def progress_line(row: dict) -> str:
         parts.append(f"{row['pct_gemm']:.1f}% of GEMM")
     for p in row["peers"]:
         parts.append(f"{p['name']} {p['gbps']:.0f} GB/s" if "gbps" in p else f"{p['name']} n/a")
-    goal = row.get("goal") or {}
-    parts.append("goal " + ("met" if goal.get("copy") else "miss" if goal.get("copy") is False else "n/a"))
+    parts.append("goal " + goal_text(row))
     return f"{head} " + ", ".join(parts)

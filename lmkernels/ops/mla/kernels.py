@@ -334,9 +334,10 @@ def sm_count(device) -> int:
     return _SM_COUNT[index]
 
 
-MIN_KEYS_PER_SPLIT = 128  # the split count the heuristic aims for: max_context / 128 …
-SHORT_SPLITS = 32  # … but at least this many splits of ≥ 32 keys (short contexts at small batch)
-AUTO_MAX_SPLITS = 128  # … and at most this many (256 was 20% slower than 128 at B=1, 32k)
+MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
+SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
+SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
+AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
 MAX_SPLITS = 256  # what the merge takes (an explicit num_splits)
 MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32  # merge tile: 32 splits × 64 columns (16 fp32 registers a thread)
 
@@ -369,12 +370,16 @@ def decode_config(rows: int, fp8: bool = False):
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
                       min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """Splits of the key range so that batch × m_blocks × splits programs fill the GPU about once
-    (num_sms × programs per SM), with about min_keys keys per split (at least SHORT_SPLITS splits of ≥ 32
-    keys when the context is short), at most AUTO_MAX_SPLITS. Shapes only (CUDA graphs). From the H100
-    A/B (benchmarks/NOTES.md, issue 6 follow-up): B=1, 16 heads: 32 splits at 1k, 64 at 8k, 128 at 32k."""
+    (num_sms × programs per SM), each split keeping ≥ min_keys keys, at most AUTO_MAX_SPLITS. Where that
+    leaves fewer programs than half the SMs (small batches), splits shrink to ~SMALL_MIN_KEYS keys, and
+    short contexts get SHORT_SPLITS splits of ≥ 32 keys. Shapes only (CUDA graphs). From the H100 A/Bs
+    (benchmarks/NOTES.md, issue 6): B=1, 16 heads: 32 splits at 1k, 64 at 8k, 128 at 32k; B=32 at 1k
+    wants 4 splits of 256 keys (17 splits: −40%)."""
     programs = max(1, batch * m_blocks)
     fill = triton.cdiv(num_sms * per_sm, programs)
-    fit = max(max_context // min_keys, min(SHORT_SPLITS, max_context // 32))
+    fit = max(1, max_context // min_keys)
+    if programs * fit < num_sms // 2:
+        fit = max(fit, max_context // SMALL_MIN_KEYS, min(SHORT_SPLITS, max_context // 32))
     return max(1, min(fill, fit, AUTO_MAX_SPLITS))
 
 
