@@ -53,8 +53,11 @@ def test_decode_splits_mtp(num_splits):
     _check(*_setup([150, 1, 0, 67], heads=16, n_new=2, page=16), num_splits=num_splits, max_seqlen_k=160)
 
 
-def test_decode_many_splits(monkeypatch):
-    """More splits than one merge step reads (MERGE_CHUNK_S), and the merge's column blocks."""
+@pytest.mark.parametrize("sms", [1, 64])
+def test_decode_many_splits(monkeypatch, sms):
+    """More splits than one merge step reads, with the merge in whole rows (many rows per SM) and in
+    column blocks (few rows: sms=64)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
     monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
     n_splits = kernels.MERGE_CHUNK_S + 5

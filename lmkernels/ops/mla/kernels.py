@@ -339,7 +339,9 @@ SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
 MAX_SPLITS = 256  # what the merge takes (an explicit num_splits)
-MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32  # merge tile: 32 splits × 64 columns (16 fp32 registers a thread)
+# merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
+# reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
+MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -420,9 +422,11 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
     )
     if num_splits > 1:
-        _mla_merge_kernel[(batch, n_new * heads, KV_LORA // MERGE_BLOCK_D)](
+        few_rows = batch * n_new * heads < 2 * sm_count(q_nope.device)
+        block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
+        _mla_merge_kernel[(batch, n_new * heads, KV_LORA // block_d)](
             out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=MERGE_CHUNK_S, KV_LORA=KV_LORA,
-            BLOCK_D=MERGE_BLOCK_D, BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
+            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
+            BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
         )
     return o, lse
