@@ -2,7 +2,7 @@
 
 Prefill: a program owns BLOCK_M queries of one query head of one sequence (grid: query heads × query
 blocks × batch, the longest causal blocks first). It streams the keys of its kv head in BLOCK_N tiles
-with the online softmax in base 2 (scores pre-multiplied by scale·log2 e, fp32 accumulators), and visits
+with the online softmax in base 2 (scale·log2 e folded into the exp2 argument, fp32 accumulators), and visits
 only the key tiles its rows may see: tiles above the causal diagonal, right of the right window edge or
 left of the left window edge are never loaded. Of the visited tiles, only those that cut the diagonal,
 a window edge or the sequence end are masked; the others run a mask-free loop. Tiles come through
@@ -946,7 +946,8 @@ def decode_config(head_dqk: int, head_dv: int, rows: int, fp8: bool = False, sin
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if width >= 256 or block_m >= 64:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
-    if rows > 8 or single:  # 128-key tiles spill with 16–32 rows (ptxas: 56–112 bytes of stack)
+    # 128-key tiles spill with 16–32 rows (ptxas: 56–112 bytes of stack); one sequence: measured best
+    if rows > 8 or single:
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=5, PROGRAMS_PER_SM=2)
     return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=5 if fp8 else 3, PROGRAMS_PER_SM=2)
 
