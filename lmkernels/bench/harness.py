@@ -241,6 +241,26 @@ def goal_text(row: dict) -> str:
     return "met"
 
 
+def run_rows(builders, result: dict, progress, op: str, save=lambda: None) -> None:
+    """For suites with their own row builders (attention, kda, mla, engine): build each row in turn (an
+    error becomes a FAILED row and the suite goes on), append it, log progress(row), save, and free the
+    allocator's cache before the next row allocates."""
+    import torch
+
+    for build in builders:
+        try:
+            row = build()
+        except Exception as e:
+            log_line(traceback.format_exc())
+            row = {"op": op, "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
+                   "ours": {}, "peers": []}
+        result["rows"].append(row)
+        log_line(progress(row))
+        save()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
 def run_cases(cases, result: dict, *, save=lambda: None, log=log_line, reset=None) -> None:
     """Run `cases` (an iterable of Case, built lazily) into result["rows"], saving after every row. An
     error building or running a case becomes a FAILED row; the suite goes on."""

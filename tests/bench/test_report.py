@@ -315,3 +315,18 @@ def test_sweep_dry_run(cpu_dry_run):
                                                            (s["heuristic"]["rows"], 64, s["heuristic"]["num_warps"])))
     act = sweep.sweep_activation(shapes=((3, 40),), acts=("silu",), log=lambda *_: None)
     assert act["shapes"][0]["best"] is not None and not act["shapes"][0]["failed"]
+
+
+def test_run_rows_keeps_going_after_a_failing_row(capsys):
+    from lmkernels.bench import harness
+
+    def broken():
+        raise RuntimeError("boom")
+
+    result, saves = {"rows": []}, []
+    builders = [lambda: {"op": "x", "label": "a", "status": "ok"}, broken, lambda: {"op": "x", "label": "c", "status": "ok"}]
+    harness.run_rows(builders, result, lambda row: f"row {row['label']} {row['status']}", "x",
+                     save=lambda: saves.append(len(result["rows"])))
+    assert [r["status"] for r in result["rows"]] == ["ok", "FAILED", "ok"]
+    assert "boom" in result["rows"][1]["failure"] and saves == [1, 2, 3]
+    assert "row ? FAILED" in capsys.readouterr().out

@@ -346,18 +346,7 @@ GOAL_TEXT = ("prefill ≥ 1.0x SDPA cuDNN (TFLOP/s); decode (GB/s of KV read) B=
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:
     result["goal_text"] = GOAL_TEXT
     _COPY["gbps"] = (result.get("ceilings") or {}).get("copy_gbps")
-    for build in cases(quick):
-        try:
-            row = build()
-        except Exception as e:
-            log_line(traceback.format_exc())
-            row = {"op": "attention", "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
-                   "ours": {}, "peers": []}
-        result["rows"].append(row)
-        log_line(progress_line(row))
-        save()
-        if _dev() == "cuda":
-            torch.cuda.empty_cache()
+    harness.run_rows(cases(quick), result, progress_line, "attention", save)
 
 
 def progress_line(row: dict) -> str:

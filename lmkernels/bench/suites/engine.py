@@ -433,18 +433,7 @@ def run(result: dict, quick: bool = False, save=lambda: None) -> None:
     bench.check()
     builds = [lambda c=c: bench.decode_row(c) for c in CONTEXTS]
     builds += [bench.prefill_row, bench.batch_row, bench.launches_row]
-    for build in builds:
-        try:
-            row = build()
-        except Exception as e:
-            log_line(traceback.format_exc())
-            row = {"op": "engine", "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
-                   "ours": {}, "peers": []}
-        result["rows"].append(row)
-        log_line(progress_line(row))
-        save()
-        if _dev() == "cuda":
-            torch.cuda.empty_cache()
+    harness.run_rows(builds, result, progress_line, "engine", save)
 
 
 def progress_line(row: dict) -> str:

@@ -268,19 +268,8 @@ def cases(quick: bool = False):
 
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:
     _COPY["gbps"] = (result.get("ceilings") or {}).get("copy_gbps")
-    for build in cases(quick):
-        try:
-            with torch.inference_mode():
-                row = build()
-        except Exception as e:
-            log_line(traceback.format_exc())
-            row = {"op": "kda", "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
-                   "ours": {}, "peers": []}
-        result["rows"].append(row)
-        log_line(progress_line(row))
-        save()
-        if _dev() == "cuda":
-            torch.cuda.empty_cache()
+    with torch.inference_mode():
+        harness.run_rows(cases(quick), result, progress_line, "kda", save)
 
 
 def progress_line(row: dict) -> str:

@@ -250,18 +250,7 @@ def run(result: dict, quick: bool = False, save=lambda: None) -> None:
                            f"tokens ≥ 128, TFLOP/s) ≥ {GEMM_GOAL:.0%} of the bf16 GEMM; SDPA reads a dense copy")
     _CEIL.clear()
     _CEIL.update(result.get("ceilings") or {})
-    for build in cases(quick):
-        try:
-            row = build()
-        except Exception as e:  # noqa: BLE001
-            log_line(traceback.format_exc())
-            row = {"op": "mla_decode", "label": "?", "status": "FAILED", "failure": f"error: {short_error(e)}",
-                   "ours": {}, "peers": []}
-        result["rows"].append(row)
-        log_line(progress_line(row))
-        save()
-        if _dev() == "cuda":
-            torch.cuda.empty_cache()
+    harness.run_rows(cases(quick), result, progress_line, "mla_decode", save)
 
 
 def progress_line(row: dict) -> str:
