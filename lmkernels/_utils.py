@@ -62,3 +62,16 @@ def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows "
             f"without a copy; pass a contiguous tensor"
         ) from None
+
+
+_SM_COUNT = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (cached); the interpreter pretends to have 8."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]

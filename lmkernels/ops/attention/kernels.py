@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting
+from ..._utils import interpreting, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -883,19 +883,6 @@ def _merge_pieces(m_all, l_all, o_all, part_o_ptr, part_l_ptr, j0, n_pieces, fir
     alpha = tl.exp(m_all - m_safe)
     wgt = tl.exp(lse - m_safe[:, None])
     return m_new, l_all * alpha + tl.sum(wgt, 1), o_all * alpha[:, None] + tl.sum(o * wgt[:, :, None], 1)
-
-
-_SM_COUNT = {}
-
-
-def sm_count(device) -> int:
-    """Multiprocessors of a CUDA device (cached); the interpreter pretends to have 8."""
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, partial write, merge) dominate …

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting
+from ..._utils import interpreting, sm_count
 from ..attention.kernels import _round_to_e4m3  # exact e4m3 rounding (also under the interpreter)
 
 LOG2E = 1.4426950408889634
@@ -319,19 +319,6 @@ def _mla_merge_kernel(
     lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     if col == 0:
         tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
-
-
-_SM_COUNT = {}
-
-
-def sm_count(device) -> int:
-    """Multiprocessors of a CUDA device (cached); the interpreter pretends to have 8."""
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
