@@ -75,3 +75,19 @@ def sm_count(device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def check_block_tables(block_tables, seq_lens, page_size, num_pages):
+    """seq_lens within the page table's capacity and the pages it uses within [0, num_pages): data checks,
+    so for CPU tensors only (on CUDA they would cost a host sync)."""
+    if block_tables.device.type != "cpu" or seq_lens.numel() == 0:
+        return
+    lens = seq_lens.tolist()
+    cap = block_tables.shape[1] * page_size
+    if min(lens) < 0 or max(lens) > cap:
+        raise ValueError(f"seq_lens must lie in [0, {cap}] (block_tables holds {block_tables.shape[1]} pages of "
+                         f"{page_size} per sequence): the page table is too short, got seq_lens up to {max(lens)}")
+    for b, n in enumerate(lens):
+        used = block_tables[b, : -(-n // page_size)]
+        if used.numel() and (used.min() < 0 or used.max() >= num_pages):
+            raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): {used.tolist()}")

@@ -241,6 +241,61 @@ def goal_text(row: dict) -> str:
     return "met"
 
 
+def check_then_time(name, kind, fn, sets, check, nbytes, flops=None, tol=TOL_BF16) -> dict:
+    """For suites with their own row builders: check fn's output on the first input set (check → rel err),
+    then time it over all sets; the result dict (never raises) carries err, ms, timing method, gbps and
+    tflops when flops is given, or "wrong"/"missing" with the reason."""
+    from . import timing
+    from .counts import tflops as tflops_of
+
+    res = {"name": name, "kind": kind}
+    try:
+        err = check(fn(*sets[0]))
+        res["err"] = err
+        if not err <= tol:
+            res["wrong"] = f"rel err {err:.2e} > {tol:.0e}"
+            return res
+        info = {}
+        res["ms"] = timing.time_ms(fn, sets, info=info)
+        res["timing"] = info.get("method")
+        res["gbps"] = gbps(nbytes, res["ms"])
+        if flops:
+            res["tflops"] = tflops_of(flops, res["ms"])
+    except Exception as e:
+        res["missing"] = short_error(e)
+        if kind == "ours":
+            log_line(traceback.format_exc())
+    return res
+
+
+def unit_row(op, label, shape, nbytes, unit, ours, peers, copy_gbps, goals, note="", *, goal_kinds=None,
+             untimed="not timed", **extra) -> dict:
+    """A row for suites with their own units and goals (attention, kda, engine). The best peer and the
+    ratio use the shared `gbps` figure (bytes counted alike for every implementation, so a time ratio
+    whatever the unit); % of copy only for GB/s rows. goals: kind → target (copy: fraction of copy, peer:
+    ratio to the best peer); goal_kinds: the goal keys the row carries (default: those of goals)."""
+    failure = ours.get("wrong") or ours.get("missing")
+    if failure is None and "gbps" not in ours:
+        failure = untimed
+    timed = [p for p in peers if "gbps" in p]
+    best = max(timed, key=lambda p: p["gbps"]) if timed else None
+    row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, **extra,
+           "unit": unit, "note": note, "status": "FAILED" if failure else "ok", "failure": failure,
+           "ours": ours, "peers": peers, "pct_copy": None, "best_peer": best and best["name"],
+           "best_peer_gbps": best and best["gbps"], "ratio": None,
+           "goal": {k: None for k in (goals if goal_kinds is None else goal_kinds)}}
+    if failure:
+        return row
+    if unit == "GB/s" and copy_gbps:
+        row["pct_copy"] = 100 * ours["gbps"] / copy_gbps
+    if best:
+        row["ratio"] = ours["gbps"] / best["gbps"]
+    for kind, target in goals.items():
+        value = row["ratio"] if kind == "peer" else (row["pct_copy"] / 100 if row["pct_copy"] is not None else None)
+        row["goal"][kind] = None if value is None else bool(value >= target)
+    return row
+
+
 def run_rows(builders, result: dict, progress, op: str, save=lambda: None) -> None:
     """For suites with their own row builders (attention, kda, mla, engine): build each row in turn (an
     error becomes a FAILED row and the suite goes on), append it, log progress(row), save, and free the

@@ -16,14 +16,12 @@ against the fp32 reference where it fits in memory, else against SDPA flash); a 
 Timing: `timing.time_ms` (CUDA-graph replays; decode inputs rotated through sets larger than L2).
 """
 
-import traceback
-
 import torch
 import torch.nn.functional as F
 
 from .. import harness, timing
-from ..counts import gbps, tflops
-from ..harness import log_line, rel_err, short_error
+from ..counts import gbps
+from ..harness import check_then_time, rel_err, short_error
 
 DTYPE = torch.bfloat16
 HQ, HK = 32, 8
@@ -41,7 +39,7 @@ DECODE = (("B=1 ctx=8192", (8192,), 16, False), ("B=1 ctx=8192 page 64", (8192,)
 QUICK_DECODE = (DECODE[0], DECODE[2], DECODE[4])
 HEAD_DIM = 128
 SDPA_BACKENDS = ("cudnn", "flash", "efficient")
-TOL = 1e-2
+TOL = harness.TOL_BF16  # the check of every implementation (check_then_time's default)
 PREFILL_PEER_GOAL = 1.0  # × SDPA cuDNN
 DECODE_GOALS = {"B=1": ("peer", 2.0), "skewed": ("copy", 0.80)}  # otherwise copy ≥ 90% and peer ≥ 1.0x
 
@@ -88,54 +86,10 @@ def flex_fn(s: int, hq: int, causal: bool):
 # rows
 
 
-def _time(fn, sets):
-    info = {}
-    ms = timing.time_ms(fn, sets, info=info)
-    return ms, info.get("method")
-
-
-def _impl(name, kind, fn, sets, check, nbytes, flops=None):
-    """Check then time one implementation; returns its result dict (never raises)."""
-    res = {"name": name, "kind": kind}
-    try:
-        err = check(fn(*sets[0]))
-        res["err"] = err
-        if not err <= TOL:
-            res["wrong"] = f"rel err {err:.2e} > {TOL:.0e}"
-            return res
-        res["ms"], res["timing"] = _time(fn, sets)
-        res["gbps"] = gbps(nbytes, res["ms"])
-        if flops:
-            res["tflops"] = tflops(flops, res["ms"])
-    except Exception as e:
-        res["missing"] = short_error(e)
-        if kind == "ours":
-            log_line(traceback.format_exc())
-    return res
-
-
 def _row(op, label, shape, nbytes, flops, unit, ours, peers, copy_gbps, goals, note=""):
-    failure = ours.get("wrong") or ours.get("missing")
-    if failure is None and "gbps" not in ours:
-        failure = "not timed"
-    timed = [p for p in peers if "gbps" in p]
-    best = max(timed, key=lambda p: p["gbps"]) if timed else None
-    row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, "flops": flops,
-           "unit": unit, "note": note, "status": "FAILED" if failure else "ok", "failure": failure,
-           "ours": ours, "peers": peers, "pct_copy": None, "best_peer": best and best["name"],
-           "best_peer_gbps": best and best["gbps"], "ratio": None, "goal": {k: None for k in goals}}
     if "ms_first" in ours and "ms" in ours:
-        row["ours"]["spread_pct"] = 100 * abs(ours["ms_first"] - ours["ms"]) / ours["ms"]
-    if failure:
-        return row
-    if unit == "GB/s" and copy_gbps:
-        row["pct_copy"] = 100 * ours["gbps"] / copy_gbps
-    if best:
-        row["ratio"] = ours["gbps"] / best["gbps"]
-    for kind, target in goals.items():
-        value = row["ratio"] if kind == "peer" else (row["pct_copy"] / 100 if row["pct_copy"] is not None else None)
-        row["goal"][kind] = None if value is None else bool(value >= target)
-    return row
+        ours["spread_pct"] = 100 * abs(ours["ms_first"] - ours["ms"]) / ours["ms"]
+    return harness.unit_row(op, label, shape, nbytes, unit, ours, peers, copy_gbps, goals, note, flops=flops)
 
 
 def _rate_note(ours, peers, unit, goal_text):
@@ -163,16 +117,16 @@ def prefill_case(s, d, causal, hq, hk, flex=False):
     def ours_fn(q, k, v):
         return attention_prefill(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s)
 
-    ours = _impl("ours", "ours", ours_fn, [(q, k, v)], check, nbytes, flops)
+    ours = check_then_time("ours", "ours", ours_fn, [(q, k, v)], check, nbytes, flops)
     cfg = kernels.prefill_config(d, d, s)
     peers = []
     for b in (SDPA_BACKENDS if dev == "cuda" else ("math",)):
-        peers.append(_impl(f"sdpa-{b}", "sdpa", sdpa_fn(b, causal), [(qt, kt, vt)], check, nbytes, flops))
+        peers.append(check_then_time(f"sdpa-{b}", "sdpa", sdpa_fn(b, causal), [(qt, kt, vt)], check, nbytes, flops))
     if flex:
         kf, vf = k[None].transpose(1, 2), v[None].transpose(1, 2)
         try:
             fn = flex_fn(s, hq, causal)
-            peers.append(_impl("flex(compiled)", "flex", fn, [(qt, kf, vf)], check, nbytes, flops))
+            peers.append(check_then_time("flex(compiled)", "flex", fn, [(qt, kf, vf)], check, nbytes, flops))
         except Exception as e:
             peers.append({"name": "flex(compiled)", "kind": "flex", "missing": short_error(e)})
     cudnn = [p for p in peers if p["name"] == "sdpa-cudnn" and "gbps" in p]
@@ -220,10 +174,10 @@ def varlen_case(lens):
 
     want = per_seq(q, k, v).float() if dev == "cuda" else reference.attention_varlen(q, k, v, cu, cu)[0].float()
     check = lambda o: rel_err(o.float(), want)  # noqa: E731
-    ours = _impl("ours", "ours", lambda q, k, v: attention_prefill(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+    ours = check_then_time("ours", "ours", lambda q, k, v: attention_prefill(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                                    max_seqlen_q=max(lens)),
                  [(q, k, v)], check, nbytes, flops)
-    peers.append(_impl("sdpa-flash per sequence", "sdpa", per_seq, [(q, k, v)], check, nbytes, flops))
+    peers.append(check_then_time("sdpa-flash per sequence", "sdpa", per_seq, [(q, k, v)], check, nbytes, flops))
     label = f"varlen {len(lens)} seqs ({total} tokens) {HQ}/{HK} d{HEAD_DIM} causal"
     note = f"{label} (lengths {', '.join(map(str, lens))}): " + _rate_note(ours, peers, "TFLOP/s", "none stated")
     return _row("attention_prefill", label, [len(lens), total, HQ, HK, HEAD_DIM], nbytes, flops, "TFLOP/s", ours,
@@ -279,10 +233,10 @@ def decode_case(label, lens, page, fp8):
     def ours_fn(q, kc, vc, tables, seq_lens, ks, vs):
         return attention_decode(q, kc, vc, tables, seq_lens, max_seqlen_k=ctx, k_scale=ks, v_scale=vs)
 
-    ours = _impl("ours", "ours", ours_fn, sets, check_ref, nbytes)
+    ours = check_then_time("ours", "ours", ours_fn, sets, check_ref, nbytes)
     if "ms" in ours:  # a second timing round: its spread says what difference is noise
         ours["ms_first"] = ours["ms"]
-        ms2, _ = _time(ours_fn, sets)
+        ms2 = timing.time_ms(ours_fn, sets)
         ours["ms"] = min(ours["ms"], ms2)
         ours["gbps"] = gbps(nbytes, ours["ms"])
     peers = []
@@ -301,7 +255,7 @@ def decode_case(label, lens, page, fp8):
             want_dense = want.float()
         check = lambda o: rel_err(o.transpose(1, 2).float(), want_dense)  # noqa: E731
         for b in (SDPA_BACKENDS if dev == "cuda" else ("math",)):
-            peers.append(_impl(f"sdpa-{b}", "sdpa", sdpa_fn(b, False, True), dense, check, nbytes))
+            peers.append(check_then_time(f"sdpa-{b}", "sdpa", sdpa_fn(b, False, True), dense, check, nbytes))
         del dense
     key = "B=1" if batch == 1 else ("skewed" if not uniform else None)
     kind, target = DECODE_GOALS.get(key, (None, None))

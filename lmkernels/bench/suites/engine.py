@@ -218,26 +218,8 @@ def _res(name, kind, figure=None, **extra):
 
 
 def _row(op, label, shape, unit, ours, peers, copy_gbps, goals, note="", nbytes=None):
-    failure = ours.get("wrong") or ours.get("missing")
-    if failure is None and "gbps" not in ours:
-        failure = "not measured"
-    timed = [p for p in peers if "gbps" in p]
-    best = max(timed, key=lambda p: p["gbps"]) if timed else None
-    row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, "unit": unit,
-           "note": note, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers,
-           "pct_copy": None, "best_peer": best and best["name"], "best_peer_gbps": best and best["gbps"],
-           "ratio": None, "goal": {k: None for k in goals}}  # only the goals that apply to the row
-    if failure:
-        return row
-    if unit == "GB/s" and copy_gbps:
-        row["pct_copy"] = 100 * ours["gbps"] / copy_gbps
-    if best:
-        row["ratio"] = ours["gbps"] / best["gbps"]
-    for kind, target in goals.items():
-        value = row["ratio"] if kind == "peer" else (row["pct_copy"] / 100 if row["pct_copy"] is not None else None)
-        row["goal"][kind] = None if value is None else bool(value >= target)
-    return row
-
+    return harness.unit_row(op, label, shape, nbytes, unit, ours, peers, copy_gbps, goals, note,
+                            untimed="not measured")
 
 class Bench:
     """The models, the engine and the measurements shared by the rows."""

@@ -14,13 +14,10 @@ the issue asks our error to be no worse than fla's on the same inputs (`row["acc
 Timing: `timing.time_ms` (CUDA-graph replays; decode state pools rotated through sets larger than L2).
 """
 
-import traceback
-
 import torch
 
 from .. import harness, timing
-from ..counts import gbps, tflops
-from ..harness import log_line, rel_err, short_error
+from ..harness import check_then_time, rel_err, short_error
 
 DTYPE = torch.bfloat16
 HEAD = 128
@@ -38,7 +35,6 @@ QUICK_PREFILL = PREFILL[:1]
 DECODE_HEADS = 32
 DECODE = (1, 16, 64, 256)
 QUICK_DECODE = DECODE  # quick: one prefill row and every decode row (fits one 6-minute GPU call)
-TOL = 1e-2
 PREFILL_GOAL = 2.3
 DECODE_GOAL = 1.3
 DECODE_COPY_GOAL = 0.80
@@ -77,57 +73,12 @@ def _inputs(b, t, h, dt, dev):
     return q, k, v, f, beta
 
 
-def _time(fn, sets):
-    info = {}
-    ms = timing.time_ms(fn, sets, info=info)
-    return ms, info.get("method")
-
-
-def _impl(name, kind, fn, sets, check, nbytes, flops=None):
-    """Check then time one implementation; returns its result dict (never raises)."""
-    res = {"name": name, "kind": kind}
-    try:
-        err = check(fn(*sets[0]))
-        res["err"] = err
-        if not err <= TOL:
-            res["wrong"] = f"rel err {err:.2e} > {TOL:.0e}"
-            return res
-        res["ms"], res["timing"] = _time(fn, sets)
-        res["gbps"] = gbps(nbytes, res["ms"])
-        if flops:
-            res["tflops"] = tflops(flops, res["ms"])
-    except Exception as e:
-        res["missing"] = short_error(e)
-        if kind == "ours":
-            log_line(traceback.format_exc())
-    return res
-
-
 def _row(op, label, shape, nbytes, flops, unit, ours, peers, copy_gbps, goals, note=""):
-    failure = ours.get("wrong") or ours.get("missing")
-    if failure is None and "gbps" not in ours:
-        failure = "not timed"
-    timed = [p for p in peers if "gbps" in p]
-    best = max(timed, key=lambda p: p["gbps"]) if timed else None
-    row = {"op": op, "label": label, "shape": list(shape), "dtype": "bfloat16", "bytes": nbytes, "flops": flops,
-           "unit": unit, "note": note, "status": "FAILED" if failure else "ok", "failure": failure,
-           "ours": ours, "peers": peers, "pct_copy": None, "best_peer": best and best["name"],
-           "best_peer_gbps": best and best["gbps"], "ratio": None, "goal": {"copy": None, "peer": None},
-           "accuracy_ok": None}
-    checked = [p for p in peers if "err" in p and "wrong" not in p]
-    if "err" in ours and checked:
-        row["accuracy_ok"] = bool(ours["err"] <= min(p["err"] for p in checked))
-    if failure:
-        return row
-    if unit == "GB/s" and copy_gbps:
-        row["pct_copy"] = 100 * ours["gbps"] / copy_gbps
-    if best:
-        row["ratio"] = ours["gbps"] / best["gbps"]
-    for kind, target in goals.items():
-        value = row["ratio"] if kind == "peer" else (row["pct_copy"] / 100 if row["pct_copy"] is not None else None)
-        row["goal"][kind] = None if value is None else bool(value >= target)
+    row = harness.unit_row(op, label, shape, nbytes, unit, ours, peers, copy_gbps, goals, note,
+                           goal_kinds=("copy", "peer"), flops=flops)
+    checked = [p for p in peers if "err" in p and "wrong" not in p]  # accuracy: ours no worse than the peers
+    row["accuracy_ok"] = bool(ours["err"] <= min(p["err"] for p in checked)) if "err" in ours and checked else None
     return row
-
 
 def _errs(ours, peers):
     parts = [f"ours {ours['err']:.2e}" if "err" in ours else "ours n/a"]
@@ -172,7 +123,7 @@ def prefill_case(label, h, lens, dense):
         return kda_prefill(q, k, v, f, beta, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, output_final_state=True,
                            l2norm_qk=True, beta_sigmoid=True, **opts)
 
-    ours = _impl("ours", "ours", ours_fn, [(q, k, v, f, beta)], check, nbytes, flops)
+    ours = check_then_time("ours", "ours", ours_fn, [(q, k, v, f, beta)], check, nbytes, flops)
     if "err" in ours:
         try:
             ours["state_err"] = rel_err(ours_fn(q, k, v, f, beta)[1], want_s)
@@ -188,7 +139,7 @@ def prefill_case(label, h, lens, dense):
                              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                              lower_bound=LOWER_BOUND, output_final_state=True, **kw)
 
-        peers.append(_impl("fla chunk_kda", "fla", fla_fn, [(q, k, v, f, beta)], check, nbytes, flops))
+        peers.append(check_then_time("fla chunk_kda", "fla", fla_fn, [(q, k, v, f, beta)], check, nbytes, flops))
     except Exception as e:
         peers.append({"name": "fla chunk_kda", "kind": "fla", "missing": short_error(e)})
     note = (f"{label} K=V={HEAD} bf16, fused gate (lower_bound {LOWER_BOUND:g}), L2, β sigmoid, final states: "
@@ -234,7 +185,7 @@ def decode_case(batch, h=None):
     elem = q.element_size()
     nbytes = 2 * state_bytes + (4 * batch * h * HEAD + batch * h) * elem
     sets_run = sets
-    ours = _impl("ours", "ours", ours_fn, sets_run, checker(ours_fn), nbytes)
+    ours = check_then_time("ours", "ours", ours_fn, sets_run, checker(ours_fn), nbytes)
     peers = []
     try:
         _, fused_recurrent_kda_fwd = _fla()
@@ -245,7 +196,7 @@ def decode_case(batch, h=None):
                                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)[0]
 
-        peers.append(_impl("fla fused_recurrent_kda", "fla", fla_fn, sets_run, checker(fla_fn), nbytes))
+        peers.append(check_then_time("fla fused_recurrent_kda", "fla", fla_fn, sets_run, checker(fla_fn), nbytes))
     except Exception as e:
         peers.append({"name": "fla fused_recurrent_kda", "kind": "fla", "missing": short_error(e)})
     label = f"decode B={batch} H={h} one token"

@@ -24,7 +24,9 @@ from typing import Optional
 
 import torch
 
-from ..._utils import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride, use_triton
+from ..._utils import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride, use_triton,
+)
 from . import reference
 
 __all__ = ["attention_prefill", "attention_prefill_paged", "write_kv_cache", "attention_decode",
@@ -288,24 +290,21 @@ def write_kv_cache(
 # paged decode
 
 
-def _check_block_tables(block_tables, seq_lens, page_size, num_pages):
-    """Data checks for CPU tensors only (on CUDA they would cost a host sync)."""
-    if block_tables.device.type != "cpu" or seq_lens.numel() == 0:
-        return
-    lens = seq_lens.tolist()
-    cap = block_tables.shape[1] * page_size
-    if min(lens) < 0 or max(lens) > cap:
-        raise ValueError(f"seq_lens must lie in [0, {cap}] (block_tables holds {block_tables.shape[1]} pages of "
-                         f"{page_size} per sequence): the page table is too short, got seq_lens up to {max(lens)}")
-    for b, n in enumerate(lens):
-        used = block_tables[b, : -(-n // page_size)]
-        if used.numel() and (used.min() < 0 or used.max() >= num_pages):
-            raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): {used.tolist()}")
+def _check_paged_kv(q, hq, dqk, k_cache, v_cache, k_scale, v_scale):
+    """The paged caches of decode and paged prefill against q ([.., hq, dqk]): dtypes, heads, head dims, scales."""
+    check_tensor("k_cache", k_cache, dtypes=tuple(dict.fromkeys((q.dtype, FP8_DTYPE))), ndim=4)
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
+    _check_heads(hq, k_cache.shape[2], v_cache.shape[2], "k_cache", "v_cache")
+    if k_cache.shape[3] != dqk:
+        raise ValueError(f"k_cache must have the head dim of q ({dqk}), got {k_cache.shape[3]}")
+    _check_head_dims(dqk, v_cache.shape[3])
+    _check_caches(k_cache, v_cache, k_cache.shape[2], dqk, v_cache.shape[3], q.dtype)
+    _check_scales(k_cache, k_scale, v_scale, k_cache.shape[2])
 
 
 def _decode_run(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, window_left, softcap,
                 num_splits, max_context, return_lse):
-    _check_block_tables(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
+    check_block_tables(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
     if not use_triton(q):
         o, lse = reference.attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                             window=(window_left, -1), softcap=softcap, k_scale=k_scale,
@@ -366,14 +365,7 @@ def attention_decode(
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     batch, _, hq, dqk = q4.shape
-    check_tensor("k_cache", k_cache, dtypes=tuple(dict.fromkeys((q.dtype, FP8_DTYPE))), ndim=4)
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
-    _check_heads(hq, k_cache.shape[2], v_cache.shape[2], "k_cache", "v_cache")
-    if k_cache.shape[3] != dqk:
-        raise ValueError(f"k_cache must have the head dim of q ({dqk}), got {k_cache.shape[3]}")
-    _check_head_dims(dqk, v_cache.shape[3])
-    _check_caches(k_cache, v_cache, k_cache.shape[2], dqk, v_cache.shape[3], q.dtype)
-    _check_scales(k_cache, k_scale, v_scale, k_cache.shape[2])
+    _check_paged_kv(q, hq, dqk, k_cache, v_cache, k_scale, v_scale)
     check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
     if block_tables.shape[0] != batch:
         raise ValueError(
@@ -422,7 +414,7 @@ def _prefill_paged_run(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens
     if cu_seqlens_q.device.type == "cpu":
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
         _check_new_tokens(cu_seqlens_q, seq_lens, max_seqlen_q)
-        _check_block_tables(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
+        check_block_tables(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
     if not use_triton(q):
         o, lse = reference.attention_prefill_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                                    causal=causal, scale=scale, window=(left, right), softcap=softcap,
@@ -476,14 +468,7 @@ def attention_prefill_paged(
     _check_scalars(scale, softcap)
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3)
     n_q, hq, dqk = q.shape
-    check_tensor("k_cache", k_cache, dtypes=tuple(dict.fromkeys((q.dtype, FP8_DTYPE))), ndim=4)
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
-    _check_heads(hq, k_cache.shape[2], v_cache.shape[2], "k_cache", "v_cache")
-    if k_cache.shape[3] != dqk:
-        raise ValueError(f"k_cache must have the head dim of q ({dqk}), got {k_cache.shape[3]}")
-    _check_head_dims(dqk, v_cache.shape[3])
-    _check_caches(k_cache, v_cache, k_cache.shape[2], dqk, v_cache.shape[3], q.dtype)
-    _check_scales(k_cache, k_scale, v_scale, k_cache.shape[2])
+    _check_paged_kv(q, hq, dqk, k_cache, v_cache, k_scale, v_scale)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have B + 1 ≥ 1 entries")

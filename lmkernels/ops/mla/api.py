@@ -6,7 +6,9 @@ from typing import Optional
 
 import torch
 
-from ..._utils import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride, use_triton
+from ..._utils import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride, use_triton,
+)
 from . import reference
 from .reference import KV_LORA_RANK, LATENT_DIM, N_SCALES, ROPE_DIM
 
@@ -141,23 +143,8 @@ def write_latent_cache(
 # absorbed decode
 
 
-def _check_block_tables(block_tables, seq_lens, page_size, num_pages):
-    """Data checks for CPU tensors only (on CUDA they would cost a host sync)."""
-    if block_tables.device.type != "cpu" or seq_lens.numel() == 0:
-        return
-    lens = seq_lens.tolist()
-    cap = block_tables.shape[1] * page_size
-    if min(lens) < 0 or max(lens) > cap:
-        raise ValueError(f"seq_lens must lie in [0, {cap}] (block_tables holds {block_tables.shape[1]} pages of "
-                         f"{page_size} per sequence): the page table is too short, got seq_lens up to {max(lens)}")
-    for b, n in enumerate(lens):
-        used = block_tables[b, : -(-n // page_size)]
-        if used.numel() and (used.min() < 0 or used.max() >= num_pages):
-            raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): {used.tolist()}")
-
-
 def _decode_run(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context):
-    _check_block_tables(block_tables, seq_lens, latent_cache.shape[1], latent_cache.shape[0])
+    check_block_tables(block_tables, seq_lens, latent_cache.shape[1], latent_cache.shape[0])
     if not use_triton(q_nope):
         o, lse = reference.mla_decode(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cache_scales)
         return o.to(q_nope.dtype), lse.float()

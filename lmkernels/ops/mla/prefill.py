@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from ..._utils import INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride
+from ..._utils import INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride
 from ..attention import attention_prefill, merge_attention_states
-from .api import FP8_DTYPE, _check_block_tables, _check_cache, _int_like
+from .api import FP8_DTYPE, _check_cache, _int_like
 from .reference import KV_LORA_RANK, ROPE_DIM, dequantize_rows
 
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the attention prefill kernel's head dims
@@ -102,7 +102,7 @@ def mla_prefill(
     if (lens < q_lens).any():
         raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
                          f"(write_latent_cache first), got {lens.tolist()}")
-    _check_block_tables(block_tables.cpu(), lens, latent_cache.shape[1], latent_cache.shape[0])
+    check_block_tables(block_tables.cpu(), lens, latent_cache.shape[1], latent_cache.shape[0])
 
     dev, dt = q_nope.device, q_nope.dtype
     w = w_kv_b.view(heads, nope + v_dim, KV_LORA_RANK)
