@@ -14,6 +14,12 @@ Per layer, with the residual stream r and the fused residual-add + RMSNorm of lm
     h      = silu_and_mul(x W_gate|upᵀ) W_downᵀ
 final: x = rms_norm(h, w_norm, eps, r) on the rows that need logits, logits = x W_lm_headᵀ.
 
+A step of at most 8 tokens (decode) on the Triton kernels runs the same math as four fused gemv passes per layer
+(lmkernels.ops.gemv), carrying the residual stream h alone:
+
+    h = h + attention(rms_norm(h, w_in) W_qkvᵀ) W_oᵀ       (norm in the qkv gemv, residual add in the o gemv)
+    h = h + silu_and_mul(rms_norm(h, w_post) W_gate|upᵀ) W_downᵀ
+
 Weights are stored fused (q|k|v and gate|up) and filled by `load_hf_weights` from Hugging Face names, which both
 the safetensors and the GGUF loaders produce.
 """
@@ -25,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._utils import use_triton
 from ..ops.activation import silu_and_mul
 from ..ops.attention import (
     ATTN_DTYPES, attention_decode, attention_prefill, attention_prefill_paged, reference as attn_reference,
     write_kv_cache,
 )
+from ..ops.gemv import MAX_ROWS as GEMV_MAX_ROWS, gemv
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rotary, build_cos_sin_cache
 from .config import ModelConfig
@@ -103,9 +111,12 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache):
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, meta, k_cache, v_cache))
+
+    def attend(self, qkv, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache):
+        """q|k|v [T, ·] → attention output [T, q_size] (before o_proj); writes k, v to the cache."""
         c = self.cfg
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size: c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
@@ -121,7 +132,7 @@ class Attention(nn.Module):
             b, nq = meta.seq_lens.shape[0], meta.decode_query_len
             o = _attend_decode(q.view(b, nq, c.num_heads, c.head_dim), meta, k_cache, v_cache, self.window,
                                self.scale)
-        return self.o_proj(o.reshape(t, c.q_size))
+        return o.reshape(t, c.q_size)
 
 
 class MLP(nn.Module):
@@ -154,6 +165,18 @@ class DecoderLayer(nn.Module):
         x, residual = rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual)
         return self.mlp(x), residual
 
+    def forward_few_rows(self, h, positions, cos_sin, meta, k_cache, v_cache):
+        """The same layer for a step of a few tokens (decode), on the residual stream h alone: four gemv passes
+        over the weights, each carrying its neighbours (norm before, SwiGLU or the residual add after)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
+                   eps=self.eps)
+        o = attn.attend(qkv, positions, cos_sin, meta, k_cache, v_cache)
+        h = gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        a = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=self.post_attention_layernorm.weight,
+                 eps=self.eps, gated=True)
+        return gemv(a, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+
 
 def rope_cache(cfg: ModelConfig, max_position: int) -> torch.Tensor:
     """The float32 [max_position, head_dim] cos|sin cache of the config's rope (HF rope_parameters, or a GGUF's
@@ -185,6 +208,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _Weight(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                                                      device=device)
         self.register_buffer("cos_sin_cache", rope_cache(cfg, self.max_model_len).to(device), persistent=False)
+        self.fused_decode = True  # False: decode steps take the matmul path too (to compare)
+
+    def few_rows_path(self, h: torch.Tensor) -> bool:
+        """Steps of at most GEMV_MAX_ROWS tokens (decode) run the fused gemv layers on the Triton kernels."""
+        return (self.fused_decode and 0 < h.shape[0] <= GEMV_MAX_ROWS and h.dtype in ATTN_DTYPES
+                and use_triton(h))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -201,6 +230,13 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         meta = attn_metadata
         h = F.embedding(input_ids, self.embed_tokens.weight)
+        if self.few_rows_path(h):
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_few_rows(h, positions, self.cos_sin_cache, meta, kv_cache.k[i], kv_cache.v[i])
+            idx = meta.default_logits_indices(input_ids.shape[0])
+            if idx is not None:
+                h = h[idx]
+            return gemv(h, self.lm_head_weight, norm_weight=self.norm.weight, eps=self.config.rms_norm_eps)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, self.cos_sin_cache, meta, kv_cache.k[i], kv_cache.v[i])

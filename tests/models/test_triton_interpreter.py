@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmkernels._utils import interpreting
+from lmkernels.ops.gemv import kernels as gemv_kernels
 from lmkernels.loading import load_preset
 from lmkernels.models import greedy_generate, prefill_logits
 
@@ -25,7 +26,11 @@ def test_triton_path_matches_reference(preset, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert interpreting()
     logits = prefill_logits(model, prompts, page_size=4)
+    calls = []
+    launch = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k))
     tokens = greedy_generate(model, prompts, 4, page_size=4)
+    assert calls and set(calls) <= {1, 2}  # the decode steps (2 rows, then 1 for the logits) took the gemv path
     chunked = greedy_generate(model, prompts, 4, page_size=4, prefill_chunk=4)  # paged (append) prefill kernel
 
     assert torch.isfinite(logits).all()

@@ -268,6 +268,17 @@ def test_fixed_chunks_and_a_low_context_bound(small_tiles, poison):
         check(o, lse, ro, rl)
 
 
+@pytest.mark.parametrize("length", [1, 37, 200])
+def test_one_sequence_splits_by_its_length(small_tiles, poison, length):
+    """One sequence in a launch sized for a far larger capacity (a CUDA graph's): the chunks follow the actual
+    length on the device (200 keys: 7 splits of 32), and every key is still attended once."""
+    k_cache, v_cache, tables, lens = paged([length], 2, page_size=16)
+    q = torch.randn(1, 1, 4, 64, dtype=DT)
+    ro, rl = reference.attention_decode(q.double(), k_cache, v_cache, tables, lens)
+    o, lse = attention_decode(q, k_cache, v_cache, tables, lens, max_seqlen_k=4096, return_lse=True)
+    check(o, lse, ro, rl)
+
+
 def test_write_kv_cache_exact_and_skips_padding(poison):
     k_cache = torch.full((6, 16, 2, 64), 7.0, dtype=DT)
     v_cache = torch.full((6, 16, 2, 128), 7.0, dtype=DT)

@@ -353,8 +353,10 @@ def attention_decode(
     the SM count and max_seqlen_k (an upper bound on seq_lens; default: the block table's capacity).
     Every sequence is cut into chunks of ⌈max_seqlen_k / num_splits⌉ keys, so a short sequence uses
     fewer splits than a long one (a skewed batch stays balanced); a bound below the real lengths only
-    makes the chunks longer. Neither depends on seq_lens' values, so the launch is fixed for a batch
-    size and CUDA graphs capture it; results do not depend on the splits beyond rounding. No host sync.
+    makes the chunks longer. A single sequence with num_splits None is instead cut by its actual length
+    on the device (a 512-key context gets 8 splits even in a launch sized for 8192). Neither depends on
+    seq_lens' values for the launch, so the launch is fixed for a batch size and CUDA graphs capture it;
+    results do not depend on the splits beyond rounding. No host sync.
     Data checks (seq_lens fit the page table, pages in range) run for CPU tensors only.
     """
     left, right = _check_window(window, causal=True)

@@ -535,7 +535,11 @@ def _split_range(seq_len, n_new, left, split, chunk_min, NUM_SPLITS: tl.constexp
     if HAS_LEFT:
         lo = tl.maximum(seq_len - n_new - left, 0) // BLOCK_N * BLOCK_N
     span = tl.maximum(seq_len - lo, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N, chunk_min)
+    # chunk_min < 0: the floor follows the length (one sequence in a launch sized for its capacity, as CUDA
+    # graphs are): up to −chunk_min keys, but short ranges still get SHORT_SPLITS splits of ≥ BLOCK_N keys
+    by_length = tl.minimum(-chunk_min, tl.maximum(BLOCK_N, tl.cdiv(tl.cdiv(span, _SHORT_SPLITS), BLOCK_N) * BLOCK_N))
+    floor = tl.where(chunk_min < 0, by_length, chunk_min)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N, floor)
     n_valid = tl.where(span > 0, tl.cdiv(span, tl.maximum(chunk, 1)), 0)
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -887,6 +891,7 @@ def _merge_pieces(m_all, l_all, o_all, part_o_ptr, part_l_ptr, j0, n_pieces, fir
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (q load, partial write, merge) dominate …
 SHORT_SPLITS = 8  # … except that short contexts still get up to 8 splits of ≥ 64 keys (B=1 at 512: 13.8 → 9.2 µs)
+_SHORT_SPLITS = tl.constexpr(SHORT_SPLITS)  # the same, for _split_range
 MIN_CHUNK = 512  # keys per split when splitting only to spread one long sequence
 MAX_SPLITS = 64
 
@@ -1006,9 +1011,14 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
             INTERPRET=interpreting(), **common, **cfg,
         )
         return o, lse
+    explicit_splits = num_splits is not None
     if num_splits is None:
         num_splits = decode_num_splits(batch, hk, m_blocks, max_context, sm_count(q.device))
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
+    if batch == 1 and num_splits > 1 and not explicit_splits:
+        # one sequence: split by its actual length, as decode_num_splits would for max_context = seq_len (a graph
+        # captured for the cache's capacity then still gives a 512-key context 8 splits, not 2)
+        chunk_min = -MIN_KEYS_PER_SPLIT
     block_s = triton.next_power_of_2(num_splits)
     grid = (batch, hk * m_blocks, num_splits)
     if num_splits == 1:

@@ -1,0 +1,221 @@
+"""The gemv kernel on a CUDA GPU: `python -m lmkernels.ops.gemv.gpu_tune OUT_DIR [--engine]`.
+
+1. Correctness at the Llama-3-8B decode shapes (bf16, each layer's fusion, with and without PDL) against fp32 math.
+2. A launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
+   same rotated weights and the copy ceiling of the same run.
+3. --engine: the llama3-8b engine's B=1 decode at contexts 512 and 4096 (graph replay ms per token and tokens/s
+   of generate) with the matmul path, the gemv path without PDL and the gemv path with PDL, each with the
+   sweep's winners; plus the kernels of one eager gemv-path step (torch profiler).
+Writes OUT_DIR/gemv_tune.json and prints a short table last.
+"""
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels, reference
+
+SHAPES = {  # Llama-3-8B, one token: (output rows, K, fusion)
+    "qkv": (6144, 4096, dict(norm=True)),
+    "o": (4096, 4096, dict(residual=True)),
+    "gate_up": (14336, 4096, dict(norm=True, gated=True)),
+    "down": (4096, 14336, dict(residual=True)),
+    "lm_head": (128256, 4096, dict(norm=True)),
+}
+COARSE = [dict(BLOCK_N=bn, BLOCK_K=512, num_warps=w, STAGES=st) for bn in (4, 8, 16) for w in (4, 8) for st in (1, 2, 4)]
+
+
+def inputs(n, k, fusion, m=1):
+    gated = fusion.get("gated", False)
+    w = (torch.randn(n * (2 if gated else 1), k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    return dict(
+        x=torch.randn(m, k, device="cuda").to(torch.bfloat16), weight=w, bias=None,
+        norm_weight=(torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if fusion.get("norm") else None,
+        residual=torch.randn(m, n, device="cuda").to(torch.bfloat16) if fusion.get("residual") else None,
+        gated=gated,
+    )
+
+
+def run(c, config=None, use_pdl=None):
+    return kernels.gemv(c["x"], c["weight"], c["bias"], c["norm_weight"], 1e-6, c["residual"], c["gated"],
+                        config=config, use_pdl=use_pdl)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check_all(log):
+    out = {}
+    for name, (n, k, fusion) in SHAPES.items():
+        for m in (1, 2, 4):
+            c = inputs(n, k, fusion, m)
+            ref = reference.gemv(c["x"].float(), c["weight"].float(), None,
+                                 None if c["norm_weight"] is None else c["norm_weight"].float(), 1e-6,
+                                 None if c["residual"] is None else c["residual"].float(), c["gated"])
+            for pdl in (False, True):
+                err = rel(run(c, use_pdl=pdl), ref)
+                out[f"{name} M={m} pdl={pdl}"] = err
+                log(f"[check] {name} M={m} pdl={pdl}: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAIL'}")
+    return out
+
+
+def sweep(log, copy_gbps):
+    from ...bench import timing
+
+    l2 = timing.l2_bytes()
+    results = {}
+    for name, (n, k, fusion) in SHAPES.items():
+        c0 = inputs(n, k, fusion)
+        nbytes = c0["weight"].numel() * 2
+        sets = [c0] + [inputs(n, k, fusion) for _ in range(timing.rotation_count(nbytes, l2) - 1)]
+
+        def time_cfg(cfg, pdl=False):
+            return timing.time_ms(lambda c: run(c, cfg, pdl), [(c,) for c in sets])
+
+        rows = []
+        cands = COARSE if name != "lm_head" else COARSE[:0]
+        for cfg in cands:
+            try:
+                ms = time_cfg(dict(BLOCK_M=1, **cfg))
+                rows.append((ms, cfg))
+            except Exception as e:
+                log(f"[sweep] {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        if rows:
+            rows.sort(key=lambda r: r[0])
+            for ms, cfg in rows[:2]:
+                for bk in (256, 1024):
+                    cfg2 = dict(cfg, BLOCK_K=bk)
+                    try:
+                        rows.append((time_cfg(dict(BLOCK_M=1, **cfg2)), cfg2))
+                    except Exception as e:
+                        log(f"[sweep] {name} {cfg2}: {type(e).__name__}: {str(e)[:120]}")
+            rows.sort(key=lambda r: r[0])
+        default = kernels.gemv_config(1, n, k, fusion.get("gated", False))
+        ms_default = time_cfg(default)
+        ms_default_pdl = time_cfg(default, True)
+        best_ms, best = rows[0] if rows else (ms_default, default)
+        ms_best_pdl = time_cfg(dict(BLOCK_M=1, **{kk: v for kk, v in best.items() if kk != "BLOCK_M"}), True)
+        ws = [(s["weight"],) for s in sets]
+        xs = [s["x"] for s in sets]
+        pairs = [(x, w) for x, (w,) in zip(xs, ws)]
+        ms_cublas = timing.time_ms(lambda x, w: F.linear(x, w), pairs)
+        gb = lambda ms: nbytes / ms / 1e6  # noqa: E731
+        results[name] = dict(
+            n=n, k=k, fusion=fusion, weight_bytes=nbytes, sets=len(sets),
+            best=best, best_gbps=gb(best_ms), best_pdl_gbps=gb(ms_best_pdl),
+            default=default, default_gbps=gb(ms_default), default_pdl_gbps=gb(ms_default_pdl),
+            cublas_gbps=gb(ms_cublas), all=[(gb(ms), cfg) for ms, cfg in rows],
+        )
+        r = results[name]
+        log(f"[sweep] {name} {n}x{k}: best {best} {r['best_gbps']:.0f} GB/s (pdl {r['best_pdl_gbps']:.0f}), "
+            f"default {r['default_gbps']:.0f} (pdl {r['default_pdl_gbps']:.0f}), cuBLAS {r['cublas_gbps']:.0f}, "
+            f"copy {copy_gbps:.0f}")
+        for g, cfg in r["all"][:6]:
+            log(f"    {g:7.0f}  {cfg}")
+        del sets, c0, ws, xs, pairs
+        torch.cuda.empty_cache()
+    return results
+
+
+def engine_ab(log, winners):
+    from ...bench.suites.engine import engine_decode, median_ms, random_prompts, weight_bytes_per_token
+    from ...bench.suites.engine import count_kernels, PROFILES
+    from ...engine import Engine, SamplingParams
+    from ...loading import load_preset
+    from ...models.metadata import decode_metadata
+
+    if winners:  # the sweep's best per shape (matched by (N, K, gated))
+        table = {(n, k, f.get("gated", False)): w for (n, k, f), w in winners}
+        base = kernels.gemv_config
+
+        def tuned(m, n, k, gated):
+            cfg = table.get((n, k, gated))
+            return dict(base(m, n, k, gated), **cfg) if (cfg and m == 1) else base(m, n, k, gated)
+
+        kernels.gemv_config = tuned
+    model = load_preset("llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    per_token = weight_bytes_per_token(model)
+    out = {"bytes_per_token": per_token}
+    variants = (("matmul path", False, False), ("gemv, no PDL", True, False), ("gemv + PDL", True, True))
+    for ctx in (512, 4096):
+        prompts = random_prompts(1, ctx, model.config.vocab_size, seed=ctx)
+        for label, fused, pdl in variants:
+            model.fused_decode, kernels.ENABLE_PDL = fused, pdl
+            try:
+                e = Engine(model, None, num_pages=(ctx + 256) // 16 + 8, page_size=16, max_num_seqs=1,
+                           max_num_batched_tokens=ctx + 16, eos_token_ids=[])
+                tps, _ = engine_decode(e, prompts, 128)
+                tokens = e.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))[0].token_ids
+                out.setdefault(f"tokens ctx={ctx}", {})[label] = tokens
+                replay = median_ms(e.graphs.graphs[1].replay, repeats=30)
+                out[f"{label} ctx={ctx}"] = dict(tokens_per_s=tps, replay_ms=replay)
+                log(f"[engine] {label} ctx={ctx}: {tps:.1f} tokens/s, graph replay {replay:.3f} ms "
+                    f"({per_token / replay / 1e6:.0f} GB/s of weights)")
+                del e
+            except Exception:
+                log(traceback.format_exc())
+            torch.cuda.empty_cache()
+        seqs = out.get(f"tokens ctx={ctx}", {})
+        same = len({tuple(t) for t in seqs.values()}) == 1
+        log(f"[engine] ctx={ctx}: greedy tokens {'identical' if same else 'DIFFER'} across {list(seqs)}")
+        if not same:
+            for label, t in seqs.items():
+                log(f"    {label}: {t[:24]}")
+    model.fused_decode, kernels.ENABLE_PDL = True, True
+    try:  # kernels of one eager gemv-path decode step at ctx 512
+        kv = model.allocate_kv_cache(40, 16)
+        pos, meta = decode_metadata([list(range(33))], [513], 16, device="cuda")
+        tok = torch.tensor([5], device="cuda")
+        with torch.inference_mode():
+            n = count_kernels(lambda: model(tok, pos, meta, kv))
+        out["kernels_per_step"] = n
+        out["profile"] = PROFILES[-1]
+        log(f"[engine] gemv path: {n} kernels per step ({n / model.config.num_layers:.2f} per layer); top: {PROFILES[-1]}")
+    except Exception:
+        log(traceback.format_exc())
+    return out
+
+
+def main(argv):
+    from ...bench import ceilings
+
+    out_dir = argv[0] if argv else "."
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    res["triton"] = triton.__version__
+    t0 = time.time()
+    res["copy"] = ceilings.copy_bandwidth()
+    copy = res["copy"]["copy_gbps"] if "copy_gbps" in res["copy"] else float("nan")
+    log(f"copy {copy:.0f} GB/s")
+    with torch.no_grad():
+        res["check"] = check_all(log)
+        res["sweep"] = sweep(log, copy)
+        if "--engine" in argv:
+            winners = [((r["n"], r["k"], r["fusion"]), r["best"]) for r in res["sweep"].values()]
+            res["engine"] = engine_ab(log, winners)
+    res["seconds"] = time.time() - t0
+    with open(f"{out_dir}/gemv_tune.json", "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    log("\nshape      best cfg                                   GB/s  +PDL  default  cuBLAS")
+    for name, r in res["sweep"].items():
+        b = r["best"]
+        log(f"{name:9s} BN{b.get('BLOCK_N')} BK{b.get('BLOCK_K')} w{b.get('num_warps')} s{b.get('STAGES')}"
+            f"{'':22s} {r['best_gbps']:6.0f} {r['best_pdl_gbps']:6.0f} {r['default_gbps']:7.0f} {r['cublas_gbps']:7.0f}")
+    for key, v in (res.get("engine") or {}).items():
+        if isinstance(v, dict):
+            log(f"{key:28s} {v['tokens_per_s']:7.1f} tok/s  replay {v['replay_ms']:.3f} ms")
+    fails = [k for k, v in res["check"].items() if not v < 1e-2]
+    log(f"checks: {len(res['check']) - len(fails)} ok, {len(fails)} failed {fails}; {res['seconds']:.0f} s")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

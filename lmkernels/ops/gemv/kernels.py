@@ -1,0 +1,190 @@
+"""Triton kernel for the decode-time linear layer: y = x Wᵀ for a few rows of x, with its neighbours fused.
+
+A decode step at batch 1 streams every weight once and does 2 flops per weight: it runs at memory speed,
+so the work of a kernel is to keep the HBM busy and to spend no extra launch or pass on the small things
+around each matmul. One program owns BLOCK_N rows of W (and with `gated` the matching BLOCK_N rows of the
+up half) over the whole K, so it needs no split-K reduction and can finish the row itself:
+- prologue: RMSNorm of x. The norm's scale is one number per row of x, so it is applied after the dot
+  (y = (W · (x ⊙ g)) · rstd) and its sum of squares accumulates in the same pass over K as the dot;
+- epilogue: bias, SwiGLU (silu(gate) · up from the two accumulators), the residual add.
+Multiply-adds run on CUDA cores in fp32 (no tensor cores: there is nothing to gain at 2 flops per 2 bytes);
+the K loop is software-pipelined (`tl.range(..., num_stages)`) so several tiles of W are in flight.
+
+With USE_PDL the kernel is launched as a programmatic dependent launch (Hopper): it may start while the
+kernel before it finishes, loads its first W tile (weights are never written by an earlier kernel), then
+waits for that kernel (`gdc_wait`) before it reads x or writes anything. It also lets the next kernel
+launch early (`gdc_launch_dependents`). This hides the drain-and-launch gap between back-to-back matmuls.
+"""
+
+import triton
+import triton.language as tl
+
+from ..._utils import interpreting
+
+try:  # Hopper's grid dependency control (triton ≥ 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: no PDL
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _load_w(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptrs + k0 + offs_k[None, :])
+    return tl.load(w_ptrs + k0 + offs_k[None, :], mask=(k0 + offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, k0, offs_k, offs_m, M, K, stride_xm,
+                HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K tile: acc (+)= W_tile ⊙ x_tile (the sum over K waits for the end), ss += x² for the norm."""
+    k = k0 + offs_k
+    if BLOCK_M == 1:
+        if EVEN_K:
+            x = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss += x * x
+            x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_up += w_up.to(tl.float32) * x[None, :]
+    else:
+        mask = (offs_m < M)[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss += x * x
+            x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        if GATED:
+            acc_up += w_up.to(tl.float32)[None, :, :] * x[:, None, :]
+    return acc, acc_up, ss
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """y [M, N] from x [M, K] and W [N (×2 if GATED), K]; N is the output width."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    # rows past N re-read row N − 1 (no mask on the hot loads); their results are not stored
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn
+    up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn  # GATED: the up half starts N rows down
+
+    w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
+    w_up = _load_w(up_ptrs, 0, offs_k, K, EVEN_K) if GATED else 0.0
+    if USE_PDL:  # the first tile is in flight; now wait for the kernel that writes x
+        gdc_launch_dependents()
+        gdc_wait()
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc) if GATED else 0.0
+    acc, acc_up, ss = _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, 0, offs_k, offs_m, M, K, stride_xm,
+                                  HAS_NORM, GATED, BLOCK_M, EVEN_K)
+    if INTERPRET:  # with numpy ≥ 2.4 the interpreter cannot use a scalar argument as a range() bound
+        k0 = BLOCK_K
+        while k0 < K:
+            w = _load_w(w_ptrs, k0, offs_k, K, EVEN_K)
+            w_up = _load_w(up_ptrs, k0, offs_k, K, EVEN_K) if GATED else 0.0
+            acc, acc_up, ss = _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, k0, offs_k, offs_m, M, K,
+                                          stride_xm, HAS_NORM, GATED, BLOCK_M, EVEN_K)
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            w = _load_w(w_ptrs, k0, offs_k, K, EVEN_K)
+            w_up = _load_w(up_ptrs, k0, offs_k, K, EVEN_K) if GATED else 0.0
+            acc, acc_up, ss = _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, k0, offs_k, offs_m, M, K,
+                                          stride_xm, HAS_NORM, GATED, BLOCK_M, EVEN_K)
+
+    # [BLOCK_M, BLOCK_N] results
+    if BLOCK_M == 1:
+        y = tl.sum(acc, 1)[None, :]
+        up = tl.sum(acc_up, 1)[None, :] if GATED else 0.0
+        sumsq = tl.sum(ss, 0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        y = tl.sum(acc, 2)
+        up = tl.sum(acc_up, 2) if GATED else 0.0
+        sumsq = tl.sum(ss, 1)
+    if HAS_NORM:
+        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+        y = y * rstd
+        if GATED:
+            up = up * rstd
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        y = y * tl.sigmoid(y) * up
+    out_mask = (offs_m < M)[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def gemv_config(m: int, n: int, k: int, gated: bool):
+    """Launch parameters: dict(BLOCK_N, BLOCK_K, num_warps, STAGES).
+
+    Memory-bound: a program streams BLOCK_N rows of W (twice that when gated); small BLOCK_N gives
+    hundreds of programs even for N = 4096 (4 per SM on 132 SMs, all resident in one wave), and the K
+    loop keeps STAGES tiles of BLOCK_N × BLOCK_K in flight. More rows of x shrink BLOCK_K so the
+    accumulators still fit in registers.
+    """
+    block_m = triton.next_power_of_2(max(1, m))
+    block_n = 4 if gated else 8
+    block_k = max(64, 512 // block_m)
+    block_k = min(block_k, max(64, triton.next_power_of_2(k)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, STAGES=3)
+
+
+ENABLE_PDL = True  # False: launch without programmatic dependent launch (to compare)
+
+
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, a triton that exposes it, never under the interpreter."""
+    import torch
+
+    if not ENABLE_PDL or interpreting() or gdc_wait is None or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, use_pdl=None, config=None):
+    """x [M, K] (unit K stride), weight [N_w, K] (unit K stride) → y [M, N] in x's dtype (N = N_w, or N_w / 2
+    when gated)."""
+    import torch
+
+    m, k = x.shape
+    n = weight.shape[0] // (2 if gated else 1)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:  # nothing to stream: the definition on empty sums
+        from . import reference
+
+        return reference.gemv(x, weight, bias, norm_weight, eps, residual, gated)
+    cfg = dict(config or gemv_config(m, n, k, gated))
+    pdl = pdl_supported(x.device) if use_pdl is None else bool(use_pdl)
+    launch = {"launch_pdl": True} if pdl else {}
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, bias, norm_weight, residual, y,
+        m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        GATED=bool(gated), EVEN_K=k % cfg["BLOCK_K"] == 0, USE_PDL=pdl, INTERPRET=interpreting(), **cfg, **launch,
+    )
+    return y
