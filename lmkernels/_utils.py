@@ -64,6 +64,23 @@ def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
         ) from None
 
 
+# Programmatic dependent launch (Hopper): kernels launched with it start while the kernel before them drains and
+# wait for it (gdc_wait) before touching its outputs. False turns it off everywhere (to compare).
+ENABLE_PDL = True
+
+
+def pdl_enabled(device) -> bool:
+    """Whether to launch with PDL: a CUDA device of compute capability ≥ 9, a triton that exposes grid dependency
+    control, not the interpreter (which has no inline assembly)."""
+    if not ENABLE_PDL or device.type != "cuda" or interpreting():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401  triton ≥ 3.4
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _SM_COUNT = {}
 
 

@@ -172,7 +172,8 @@ class DecoderLayer(nn.Module):
         qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
                    eps=self.eps)
         o = attn.attend(qkv, positions, cos_sin, meta, k_cache, v_cache)
-        h = gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        # attention is latency-bound: the o gemv pulls its weight into L2 meanwhile (PDL, Hopper)
+        h = gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=h, l2_prefetch=True)
         a = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=self.post_attention_layernorm.weight,
                  eps=self.eps, gated=True)
         return gemv(a, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)

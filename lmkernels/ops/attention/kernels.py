@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting, sm_count
+from ..._utils import interpreting, pdl_enabled, sm_count
+
+try:  # Hopper's grid dependency control (triton ≥ 3.4); used only where pdl_enabled()
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -603,9 +608,12 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """o_ptr/lse_ptr: the final output (NUM_SPLITS == 1) or the fp32 partials [.., split, ..]."""
+    if USE_PDL:  # launched early (PDL): wait for the kernels that wrote q and the cache, let the merge launch
+        gdc_wait()
+        gdc_launch_dependents()
     batch = tl.program_id(0)
     n_mblocks = tl.cdiv(n_new * group, BLOCK_M)
     kv_head = tl.program_id(1) // n_mblocks
@@ -678,9 +686,12 @@ def _decode_merge_kernel(
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
     n_new, n_heads, left, chunk_min,
     NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One (sequence, new token, query head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits."""
+    if USE_PDL:  # the next kernel (the o projection) may launch and prefetch its weights while this one waits
+        gdc_launch_dependents()
+        gdc_wait()
     batch = tl.program_id(0)
     tok = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -1021,6 +1032,8 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
         chunk_min = -MIN_KEYS_PER_SPLIT
     block_s = triton.next_power_of_2(num_splits)
     grid = (batch, hk * m_blocks, num_splits)
+    pdl = pdl_enabled(q.device)  # both kernels wait for their inputs first: safe after any kernel
+    launch = {"launch_pdl": True} if pdl else {}
     if num_splits == 1:
         out, out_lse, os_, ls = o, lse, (*o.stride()[:3], 0), ((*lse.stride(), 0) if return_lse else (0,) * 4)
     else:
@@ -1035,7 +1048,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
         n_new, group, k_cache.shape[1], qk_scale, cap_in, cap_out, max(left, 0), chunk_min, *scale_strides,
         NUM_SPLITS=num_splits, SOFTCAP=softcap > 0, FP8=fp8, STORE_LSE=num_splits > 1 or return_lse,
         HEAD_DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
-        INTERPRET=interpreting(), **common, **cfg,
+        INTERPRET=interpreting(), USE_PDL=pdl, **common, **cfg, **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, n_new * hq)](
@@ -1043,7 +1056,8 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
             *out.stride()[:4], *out_lse.stride(), *o.stride()[:3], *(lse.stride() if return_lse else (0, 0, 0)),
             n_new, hq, max(left, 0), chunk_min,
             NUM_SPLITS=num_splits, STORE_LSE=return_lse, BLOCK_S=block_s, BLOCK_DV=triton.next_power_of_2(dv),
-            BLOCK_N=cfg["BLOCK_N"], num_warps=max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)), **common,
+            BLOCK_N=cfg["BLOCK_N"], num_warps=max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)),
+            USE_PDL=pdl, **common, **launch,
         )
     return o, lse
 

@@ -16,22 +16,22 @@ from . import reference
 MAX_ROWS = 8  # rows of x per call: each row's accumulators live in registers
 
 
-def _run(x, weight, bias, norm_weight, eps, residual, gated):
+def _run(x, weight, bias, norm_weight, eps, residual, gated, l2_prefetch):
     if not use_triton(x):
         return reference.gemv(x, weight, bias, norm_weight, eps, residual, gated)
     from . import kernels  # late, so TRITON_INTERPRET can still be set by the caller
 
-    return kernels.gemv(x, weight, bias, norm_weight, eps, residual, gated)
+    return kernels.gemv(x, weight, bias, norm_weight, eps, residual, gated, l2_prefetch=l2_prefetch)
 
 
 @torch.library.custom_op("lmkernels::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
-             eps: float, residual: Optional[torch.Tensor], gated: bool) -> torch.Tensor:
-    return _run(x, weight, bias, norm_weight, eps, residual, gated)
+             eps: float, residual: Optional[torch.Tensor], gated: bool, l2_prefetch: bool) -> torch.Tensor:
+    return _run(x, weight, bias, norm_weight, eps, residual, gated, l2_prefetch)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, norm_weight, eps, residual, gated):
+def _(x, weight, bias, norm_weight, eps, residual, gated, l2_prefetch):
     return x.new_empty(x.shape[0], weight.shape[0] // (2 if gated else 1))
 
 
@@ -64,16 +64,19 @@ def _validate(x, weight, bias, norm_weight, eps, residual, gated):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, l2_prefetch: bool = False) -> torch.Tensor:
     """y = x Wᵀ (+ bias) for x [M ≤ 8, K] and weight [N, K] (torch's Linear layout), fused with its neighbours:
 
     norm_weight: RMSNorm each row of x first (eps), with this scale;
     gated: weight stacks [W_gate; W_up] (2·N rows) and y = silu(x W_gateᵀ) · (x W_upᵀ) (SwiGLU);
     residual [M, N]: added last (y is then the new residual stream).
+    l2_prefetch: a scheduling hint, no change to the result. On Hopper (programmatic dependent launch) the
+    kernel starts while the kernel before it still runs and first pulls its whole weight into L2; worth it
+    right after a latency-bound kernel (decode attention) for a weight well under the L2 size.
     fp32 accumulation, one rounding to x's dtype. See reference.py for the definition.
     """
     _validate(x, weight, bias, norm_weight, eps, residual, gated)
-    args = (x, weight, bias, norm_weight, float(eps), residual, bool(gated))
+    args = (x, weight, bias, norm_weight, float(eps), residual, bool(gated), bool(l2_prefetch))
     if torch.compiler.is_compiling():
         return _gemv_op(*args)
     return _run(*args)  # eager: skip the dispatcher's host cost

@@ -1,11 +1,11 @@
 """The gemv kernel on a CUDA GPU: `python -m lmkernels.ops.gemv.gpu_tune OUT_DIR [--engine]`.
 
 1. Correctness at the Llama-3-8B decode shapes (bf16, each layer's fusion, with and without PDL) against fp32 math.
-2. A launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
+2. --sweep: a launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
    same rotated weights and the copy ceiling of the same run.
 3. --engine: the llama3-8b engine's B=1 decode at contexts 512 and 4096 (graph replay ms per token and tokens/s
-   of generate) with the matmul path, the gemv path without PDL and the gemv path with PDL, each with the
-   sweep's winners; plus the kernels of one eager gemv-path step (torch profiler).
+   of generate) with the matmul path, the gemv path without PDL, with PDL, and with PDL + the o projection's
+   L2 prefetch; greedy tokens of the gemv variants must agree; plus the kernels of one eager step.
 Writes OUT_DIR/gemv_tune.json and prints a short table last.
 """
 
@@ -59,7 +59,8 @@ def check_all(log):
                                  None if c["norm_weight"] is None else c["norm_weight"].float(), 1e-6,
                                  None if c["residual"] is None else c["residual"].float(), c["gated"])
             for pdl in (False, True):
-                err = rel(run(c, use_pdl=pdl), ref)
+                err = rel(kernels.gemv(c["x"], c["weight"], c["bias"], c["norm_weight"], 1e-6, c["residual"],
+                                       c["gated"], use_pdl=pdl, l2_prefetch=pdl), ref)
                 out[f"{name} M={m} pdl={pdl}"] = err
                 log(f"[check] {name} M={m} pdl={pdl}: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAIL'}")
     return out
@@ -123,30 +124,29 @@ def sweep(log, copy_gbps):
     return results
 
 
-def engine_ab(log, winners):
+def engine_ab(log):
+    from ... import _utils
     from ...bench.suites.engine import engine_decode, median_ms, random_prompts, weight_bytes_per_token
     from ...bench.suites.engine import count_kernels, PROFILES
     from ...engine import Engine, SamplingParams
     from ...loading import load_preset
     from ...models.metadata import decode_metadata
 
-    if winners:  # the sweep's best per shape (matched by (N, K, gated))
-        table = {(n, k, f.get("gated", False)): w for (n, k, f), w in winners}
-        base = kernels.gemv_config
+    launch = kernels.gemv
 
-        def tuned(m, n, k, gated):
-            cfg = table.get((n, k, gated))
-            return dict(base(m, n, k, gated), **cfg) if (cfg and m == 1) else base(m, n, k, gated)
+    def set_variant(model, fused, pdl, prefetch):
+        model.fused_decode, _utils.ENABLE_PDL = fused, pdl
+        kernels.gemv = launch if prefetch else (lambda *a, **k: launch(*a, **dict(k, l2_prefetch=False)))
 
-        kernels.gemv_config = tuned
     model = load_preset("llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
     per_token = weight_bytes_per_token(model)
     out = {"bytes_per_token": per_token}
-    variants = (("matmul path", False, False), ("gemv, no PDL", True, False), ("gemv + PDL", True, True))
+    variants = (("matmul path", False, True, False), ("gemv, no PDL", True, False, False),
+                ("gemv + PDL", True, True, False), ("gemv + PDL + L2 prefetch", True, True, True))
     for ctx in (512, 4096):
         prompts = random_prompts(1, ctx, model.config.vocab_size, seed=ctx)
-        for label, fused, pdl in variants:
-            model.fused_decode, kernels.ENABLE_PDL = fused, pdl
+        for label, fused, pdl, prefetch in variants:
+            set_variant(model, fused, pdl, prefetch)
             try:
                 e = Engine(model, None, num_pages=(ctx + 256) // 16 + 8, page_size=16, max_num_seqs=1,
                            max_num_batched_tokens=ctx + 16, eos_token_ids=[])
@@ -161,13 +161,14 @@ def engine_ab(log, winners):
             except Exception:
                 log(traceback.format_exc())
             torch.cuda.empty_cache()
-        seqs = out.get(f"tokens ctx={ctx}", {})
-        same = len({tuple(t) for t in seqs.values()}) == 1
+        seqs = {k: v for k, v in out.get(f"tokens ctx={ctx}", {}).items() if k.startswith("gemv")}
+        same = len({tuple(t) for t in seqs.values()}) == 1  # same kernels and math: PDL must change nothing
+        out[f"gemv tokens identical ctx={ctx}"] = same
         log(f"[engine] ctx={ctx}: greedy tokens {'identical' if same else 'DIFFER'} across {list(seqs)}")
         if not same:
             for label, t in seqs.items():
                 log(f"    {label}: {t[:24]}")
-    model.fused_decode, kernels.ENABLE_PDL = True, True
+    set_variant(model, True, True, True)
     try:  # kernels of one eager gemv-path decode step at ctx 512
         kv = model.allocate_kv_cache(40, 16)
         pos, meta = decode_metadata([list(range(33))], [513], 16, device="cuda")
@@ -197,22 +198,23 @@ def main(argv):
     log(f"copy {copy:.0f} GB/s")
     with torch.no_grad():
         res["check"] = check_all(log)
-        res["sweep"] = sweep(log, copy)
+        if "--sweep" in argv:
+            res["sweep"] = sweep(log, copy)
         if "--engine" in argv:
-            winners = [((r["n"], r["k"], r["fusion"]), r["best"]) for r in res["sweep"].values()]
-            res["engine"] = engine_ab(log, winners)
+            res["engine"] = engine_ab(log)
     res["seconds"] = time.time() - t0
     with open(f"{out_dir}/gemv_tune.json", "w") as f:
         json.dump(res, f, indent=1, default=str)
     log("\nshape      best cfg                                   GB/s  +PDL  default  cuBLAS")
-    for name, r in res["sweep"].items():
+    for name, r in res.get("sweep", {}).items():
         b = r["best"]
         log(f"{name:9s} BN{b.get('BLOCK_N')} BK{b.get('BLOCK_K')} w{b.get('num_warps')} s{b.get('STAGES')}"
             f"{'':22s} {r['best_gbps']:6.0f} {r['best_pdl_gbps']:6.0f} {r['default_gbps']:7.0f} {r['cublas_gbps']:7.0f}")
     for key, v in (res.get("engine") or {}).items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "tokens_per_s" in v:
             log(f"{key:28s} {v['tokens_per_s']:7.1f} tok/s  replay {v['replay_ms']:.3f} ms")
     fails = [k for k, v in res["check"].items() if not v < 1e-2]
+    fails += [k for k, v in (res.get("engine") or {}).items() if k.startswith("gemv tokens") and not v]
     log(f"checks: {len(res['check']) - len(fails)} ok, {len(fails)} failed {fails}; {res['seconds']:.0f} s")
     return 1 if fails else 0
 

@@ -19,12 +19,23 @@ launch early (`gdc_launch_dependents`). This hides the drain-and-launch gap betw
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting
+from ..._utils import interpreting, pdl_enabled
 
 try:  # Hopper's grid dependency control (triton ≥ 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older triton: no PDL
+except ImportError:  # pragma: no cover - older triton: pdl_enabled() is False, USE_PDL never set
     gdc_launch_dependents = gdc_wait = None
+
+L2_LINE = tl.constexpr(64)  # bf16/fp16 elements in a 128-byte line
+
+
+@triton.jit
+def _prefetch_l2(w_ptrs, K, BLOCK_K: tl.constexpr):
+    """Ask L2 for this program's rows of W, one 128-byte line at a time (kept with priority: evict_last)."""
+    lines = tl.arange(0, BLOCK_K // L2_LINE) * L2_LINE
+    for k0 in range(0, K, BLOCK_K):
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l",
+                                  [w_ptrs + k0 + lines[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -68,7 +79,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """y [M, N] from x [M, K] and W [N (×2 if GATED), K]; N is the output width."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,10 +90,13 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn
     up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn  # GATED: the up half starts N rows down
 
+    if PREFETCH:  # the kernel before is latency-bound (attention): pull the whole slice into L2 meanwhile
+        _prefetch_l2(w_ptrs, K, BLOCK_K)
+        if GATED:
+            _prefetch_l2(up_ptrs, K, BLOCK_K)
     w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
     w_up = _load_w(up_ptrs, 0, offs_k, K, EVEN_K) if GATED else 0.0
     if USE_PDL:  # the first tile is in flight; now wait for the kernel that writes x
-        gdc_launch_dependents()
         gdc_wait()
 
     if BLOCK_M == 1:
@@ -109,6 +123,8 @@ def _gemv_kernel(
             acc, acc_up, ss = _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, k0, offs_k, offs_m, M, K,
                                           stride_xm, HAS_NORM, GATED, BLOCK_M, EVEN_K)
 
+    if USE_PDL:  # the streaming is done: the next kernel may launch and start loading its weights
+        gdc_launch_dependents()
     # [BLOCK_M, BLOCK_N] results
     if BLOCK_M == 1:
         y = tl.sum(acc, 1)[None, :]
@@ -142,30 +158,25 @@ def gemv_config(m: int, n: int, k: int, gated: bool):
     Memory-bound: a program streams BLOCK_N rows of W (twice that when gated); small BLOCK_N gives
     hundreds of programs even for N = 4096 (4 per SM on 132 SMs, all resident in one wave), and the K
     loop keeps STAGES tiles of BLOCK_N × BLOCK_K in flight. More rows of x shrink BLOCK_K so the
-    accumulators still fit in registers.
+    accumulators still fit in registers. The figures: M=1, bf16, H100 sweep (benchmarks/NOTES.md).
     """
     block_m = triton.next_power_of_2(max(1, m))
-    block_n = 4 if gated else 8
-    block_k = max(64, 512 // block_m)
+    if gated:  # gate|up 2×14336×4096: BN 4, BK 1024, 4 stages (2804 GB/s; 2738–2758 for BN 8 or BK 512)
+        block_n, block_k, stages = 4, 1024, 4
+    elif k >= 8192:  # down 4096×14336: 4 stages (2587 GB/s, 2567 with 1)
+        block_n, block_k, stages = 8, 512, 4
+    elif n >= 65536:  # lm_head 128256×4096: 3027 GB/s
+        block_n, block_k, stages = 8, 512, 3
+    else:  # qkv 6144×4096, o 4096×4096: no pipelining (2389 GB/s on qkv, 2154 with 3 stages)
+        block_n, block_k, stages = 8, 512, 1
+    block_k = max(64, block_k // block_m)  # more rows of x: the same accumulator registers
     block_k = min(block_k, max(64, triton.next_power_of_2(k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, STAGES=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, STAGES=stages)
 
 
-ENABLE_PDL = True  # False: launch without programmatic dependent launch (to compare)
-
-
-def pdl_supported(device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a triton that exposes it, never under the interpreter."""
-    import torch
-
-    if not ENABLE_PDL or interpreting() or gdc_wait is None or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, use_pdl=None, config=None):
+def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, l2_prefetch=False, use_pdl=None, config=None):
     """x [M, K] (unit K stride), weight [N_w, K] (unit K stride) → y [M, N] in x's dtype (N = N_w, or N_w / 2
-    when gated)."""
+    when gated). l2_prefetch (with PDL only): pull the whole weight into L2 before waiting for x."""
     import torch
 
     m, k = x.shape
@@ -178,13 +189,14 @@ def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, use_pdl=None, co
 
         return reference.gemv(x, weight, bias, norm_weight, eps, residual, gated)
     cfg = dict(config or gemv_config(m, n, k, gated))
-    pdl = pdl_supported(x.device) if use_pdl is None else bool(use_pdl)
+    pdl = pdl_enabled(x.device) if use_pdl is None else bool(use_pdl)
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias, norm_weight, residual, y,
         m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         float(eps),
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        GATED=bool(gated), EVEN_K=k % cfg["BLOCK_K"] == 0, USE_PDL=pdl, INTERPRET=interpreting(), **cfg, **launch,
+        GATED=bool(gated), EVEN_K=k % cfg["BLOCK_K"] == 0, USE_PDL=pdl,
+        PREFETCH=pdl and bool(l2_prefetch), INTERPRET=interpreting(), **cfg, **launch,
     )
     return y
