@@ -17,7 +17,8 @@ final: x = rms_norm(h, w_norm, eps, r) on the rows that need logits, logits = x 
 A step of at most 8 tokens (decode) on the Triton kernels runs the same math as four fused gemv passes per layer
 (lmkernels.ops.gemv), carrying the residual stream h alone:
 
-    h = h + attention(rms_norm(h, w_in) W_qkvᵀ) W_oᵀ       (norm in the qkv gemv, residual add in the o gemv)
+    h = h + attention(rms_norm(h, w_in) W_qkvᵀ) W_oᵀ       (norm, rotary and the KV-cache write in the qkv gemv,
+                                                             residual add in the o gemv)
     h = h + silu_and_mul(rms_norm(h, w_post) W_gate|upᵀ) W_downᵀ
 
 Weights are stored fused (q|k|v and gate|up) and filled by `load_hf_weights` from Hugging Face names, which both
@@ -37,7 +38,7 @@ from ..ops.attention import (
     ATTN_DTYPES, attention_decode, attention_prefill, attention_prefill_paged, reference as attn_reference,
     write_kv_cache,
 )
-from ..ops.gemv import MAX_ROWS as GEMV_MAX_ROWS, gemv
+from ..ops.gemv import MAX_ROWS as GEMV_MAX_ROWS, gemv, gemv_qkv
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rotary, build_cos_sin_cache
 from .config import ModelConfig
@@ -113,6 +114,13 @@ class Attention(nn.Module):
     def forward(self, x, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache):
         return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, meta, k_cache, v_cache))
 
+    def fused_qkv_ok(self, meta: AttentionMetadata, k_cache, cos_sin) -> bool:
+        """Whether gemv_qkv can stand in for qkv → rotary → cache write: a decode step, no per-head q/k norm
+        (it sits between the projection and the rotary), rotary over the whole head, a cache in the model's dtype."""
+        c = self.cfg
+        return (not meta.is_prefill and not c.qk_norm and cos_sin.shape[1] == c.head_dim and c.head_dim % 16 == 0
+                and k_cache.dtype == self.qkv_proj.weight.dtype)
+
     def attend(self, qkv, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache):
         """q|k|v [T, ·] → attention output [T, q_size] (before o_proj); writes k, v to the cache."""
         c = self.cfg
@@ -168,12 +176,19 @@ class DecoderLayer(nn.Module):
     def forward_few_rows(self, h, positions, cos_sin, meta, k_cache, v_cache):
         """The same layer for a step of a few tokens (decode), on the residual stream h alone: four gemv passes
         over the weights, each carrying its neighbours (norm before, SwiGLU or the residual add after)."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
-                   eps=self.eps)
-        o = attn.attend(qkv, positions, cos_sin, meta, k_cache, v_cache)
-        # attention is latency-bound: the o gemv pulls its weight into L2 meanwhile (PDL, Hopper)
-        h = gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=h, l2_prefetch=True)
+        attn, mlp, c = self.self_attn, self.mlp, self.self_attn.cfg
+        if attn.fused_qkv_ok(meta, k_cache, cos_sin):  # decode: rotary and the cache write ride on the qkv pass
+            q = gemv_qkv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
+                         eps=self.eps, num_heads=c.num_heads, cos_sin_cache=cos_sin, positions=positions,
+                         k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
+            b, nq = meta.seq_lens.shape[0], meta.decode_query_len
+            o = _attend_decode(q.view(b, nq, c.num_heads, c.head_dim), meta, k_cache, v_cache, attn.window,
+                               attn.scale).reshape(q.shape[0], c.q_size)
+        else:
+            qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
+                       eps=self.eps)
+            o = attn.attend(qkv, positions, cos_sin, meta, k_cache, v_cache)
+        h = gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=h)
         a = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=self.post_attention_layernorm.weight,
                  eps=self.eps, gated=True)
         return gemv(a, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)

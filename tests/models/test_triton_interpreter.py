@@ -26,11 +26,14 @@ def test_triton_path_matches_reference(preset, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert interpreting()
     logits = prefill_logits(model, prompts, page_size=4)
-    calls = []
-    launch = gemv_kernels.gemv
+    calls, qkv_calls = [], []
+    launch, launch_qkv = gemv_kernels.gemv, gemv_kernels.gemv_qkv
     monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k))
+    monkeypatch.setattr(gemv_kernels, "gemv_qkv", lambda *a, **k: qkv_calls.append(1) or launch_qkv(*a, **k))
     tokens = greedy_generate(model, prompts, 4, page_size=4)
-    assert calls and set(calls) <= {1, 2}  # the decode steps (2 rows, then 1 for the logits) took the gemv path
+    assert calls and set(calls) <= {1, 2}  # the decode steps (2 rows at most) took the gemv path
+    # llama: rotary and the cache write fused into the qkv pass; qwen3's q/k norm sits in between: not fused
+    assert bool(qkv_calls) == (preset == "tiny-llama")
     chunked = greedy_generate(model, prompts, 4, page_size=4, prefill_chunk=4)  # paged (append) prefill kernel
 
     assert torch.isfinite(logits).all()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmkernels.ops.gemv import gemv, reference
+from lmkernels.ops.gemv import gemv, gemv_qkv, reference
 from lmkernels.ops.gemv import kernels
 from tests.helpers import TOL, rel_err
 
@@ -134,3 +134,92 @@ def test_bad_input(bad, match):
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=match):
         gemv(args.pop("x"), args.pop("weight"), args.pop("bias"), **args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gemv_qkv: projection + NeoX rotary + paged cache write
+
+
+def float64_qkv(x, w, bias, g, eps, cos_sin, positions, hq, hk, d):
+    y = float64_gemv(x, w, bias, g, eps)
+    q, k, v = y.split([hq * d, hk * d, hk * d], -1)
+    cos, sin = cos_sin.double()[positions].chunk(2, -1)
+
+    def rotate(t):
+        t1, t2 = t.reshape(len(x), -1, d).chunk(2, -1)
+        return torch.cat((t1 * cos[:, None] - t2 * sin[:, None], t2 * cos[:, None] + t1 * sin[:, None]), -1)
+
+    return rotate(q).reshape(len(x), -1), rotate(k), v.reshape(len(x), hk, d)
+
+
+@pytest.mark.parametrize("m, hq, hk, d, bias, config", [
+    (1, 4, 2, 32, False, None),
+    (3, 4, 1, 16, True, None),
+    (2, 2, 2, 64, False, dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, num_warps=2, STAGES=2)),
+])
+def test_qkv_rotary_cache_write(m, hq, hk, d, bias, config, monkeypatch):
+    k_dim, page_size, pages = 200, 4, 6
+    dt = torch.float16
+    x = torch.randn(m, k_dim, dtype=dt)
+    w = (torch.randn((hq + 2 * hk) * d, k_dim) / k_dim ** 0.5).to(dt)
+    b = (0.3 * torch.randn(w.shape[0])).to(dt) if bias else None
+    g = torch.rand(k_dim) + 0.5
+    angles = torch.arange(50.0)[:, None] * torch.rand(d // 2)[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
+    positions = torch.randint(0, 50, (m,))
+    slots = torch.randperm(pages * page_size)[:m]
+    if m > 1:
+        slots[1] = -1  # a padding row: nothing stored
+    k_cache = torch.full((pages, page_size, hk, d), 7.0, dtype=dt)
+    v_cache = torch.full_like(k_cache, 7.0)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    args = (x, w, b, g, 1e-6, cos_sin, positions, k_cache, v_cache, slots, hq)
+    if config is None:
+        q = gemv_qkv(x, w, b, norm_weight=g, eps=1e-6, num_heads=hq, cos_sin_cache=cos_sin, positions=positions,
+                     k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    else:
+        q = kernels.gemv_qkv(*args, config=config)
+    monkeypatch.undo()
+    want_q, want_k, want_v = float64_qkv(x, w, b, g, 1e-6, cos_sin, positions, hq, hk, d)
+    assert q.shape == (m, hq * d) and rel_err(q, want_q) < TOL[dt]
+    written = torch.zeros(pages * page_size, dtype=torch.bool)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            written[s] = True
+            page, row = divmod(s, page_size)
+            assert rel_err(k_cache[page, row], want_k[i]) < TOL[dt]
+            assert rel_err(v_cache[page, row], want_v[i]) < TOL[dt]
+    untouched = ~written.view(pages, page_size)
+    assert (k_cache[untouched] == 7.0).all() and (v_cache[untouched] == 7.0).all()
+
+
+def test_qkv_reference_matches_float64():
+    m, hq, hk, d = 2, 4, 2, 16
+    x = torch.randn(m, 64)
+    w = torch.randn((hq + 2 * hk) * d, 64) / 8
+    angles = torch.arange(10.0)[:, None] * torch.rand(d // 2)[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
+    positions, slots = torch.tensor([3, 9]), torch.tensor([5, 0])
+    k_cache, v_cache = torch.zeros(2, 4, hk, d), torch.zeros(2, 4, hk, d)
+    q = reference.gemv_qkv(x, w, None, None, 1e-6, cos_sin, positions, k_cache, v_cache, slots, hq)
+    want_q, want_k, want_v = float64_qkv(x, w, None, None, 1e-6, cos_sin, positions, hq, hk, d)
+    assert rel_err(q, want_q) < TOL[torch.float32]
+    assert rel_err(k_cache[1, 1], want_k[0]) < TOL[torch.float32] and rel_err(v_cache[0, 0], want_v[1]) < 1e-5
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_heads=3), "multiple of the cache's 2 kv heads"),
+    (dict(weight=torch.randn(100, 64)), "rows"),
+    (dict(cos_sin_cache=torch.randn(20, 8)), "full head dim"),
+    (dict(positions=torch.tensor([0, 25])), "positions must lie"),
+    (dict(slot_mapping=torch.tensor([0, 64])), "slot_mapping must lie"),
+    (dict(k_cache=torch.zeros(4, 4, 2, 16).half()), "k_cache must have dtype"),
+])
+def test_qkv_bad_input(bad, match):
+    args = dict(x=torch.randn(2, 64), weight=torch.randn(8 * 16, 64), norm_weight=None, num_heads=4,
+                cos_sin_cache=torch.randn(20, 16), positions=torch.tensor([0, 3]), k_cache=torch.zeros(4, 4, 2, 16),
+                v_cache=torch.zeros(4, 4, 2, 16), slot_mapping=torch.tensor([1, -1]))
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        gemv_qkv(args.pop("x"), args.pop("weight"), **args)

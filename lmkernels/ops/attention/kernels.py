@@ -689,7 +689,7 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One (sequence, new token, query head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty splits."""
-    if USE_PDL:  # the next kernel (the o projection) may launch and prefetch its weights while this one waits
+    if USE_PDL:  # the next kernel (the o projection) may launch and load its first weights while this one waits
         gdc_launch_dependents()
         gdc_wait()
     batch = tl.program_id(0)

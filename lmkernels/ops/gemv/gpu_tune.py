@@ -63,6 +63,27 @@ def check_all(log):
                                        c["gated"], use_pdl=pdl, l2_prefetch=pdl), ref)
                 out[f"{name} M={m} pdl={pdl}"] = err
                 log(f"[check] {name} M={m} pdl={pdl}: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAIL'}")
+    hq, hk, d, k, page = 32, 8, 128, 4096, 16
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn((hq + 2 * hk) * d, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+        angles = torch.arange(8192.0, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None, :]
+        cs = torch.cat((angles.cos(), angles.sin()), -1)
+        pos = torch.randint(0, 8192, (m,), device="cuda")
+        slots = torch.randperm(64 * page, device="cuda")[:m]
+        caches = [torch.full((64, page, hk, d), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        for pdl in (False, True):
+            for c in caches:
+                c.fill_(float("nan"))
+            q = kernels.gemv_qkv(x, w, None, g, 1e-6, cs, pos, caches[0], caches[1], slots, hq, use_pdl=pdl)
+            q_ref = reference.gemv_qkv(x.float(), w.float(), None, g.float(), 1e-6, cs, pos, caches[2], caches[3],
+                                       slots, hq)
+            sel = slots.tolist()
+            kv = torch.stack([caches[i].view(-1, hk, d)[sel] for i in range(4)]).float()
+            err = max(rel(q, q_ref), rel(kv[0], kv[2]), rel(kv[1], kv[3]))
+            out[f"gemv_qkv M={m} pdl={pdl}"] = err
+            log(f"[check] gemv_qkv M={m} pdl={pdl}: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAIL'}")
     return out
 
 
@@ -132,21 +153,23 @@ def engine_ab(log):
     from ...loading import load_preset
     from ...models.metadata import decode_metadata
 
-    launch = kernels.gemv
+    from ...models import llama
 
-    def set_variant(model, fused, pdl, prefetch):
+    fused_qkv_ok = llama.Attention.fused_qkv_ok
+
+    def set_variant(model, fused, pdl, qkv):
         model.fused_decode, _utils.ENABLE_PDL = fused, pdl
-        kernels.gemv = launch if prefetch else (lambda *a, **k: launch(*a, **dict(k, l2_prefetch=False)))
+        llama.Attention.fused_qkv_ok = fused_qkv_ok if qkv else (lambda *a: False)
 
     model = load_preset("llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
     per_token = weight_bytes_per_token(model)
     out = {"bytes_per_token": per_token}
-    variants = (("matmul path", False, True, False), ("gemv, no PDL", True, False, False),
-                ("gemv + PDL", True, True, False), ("gemv + PDL + L2 prefetch", True, True, True))
+    variants = (("matmul path", False, True, False), ("gemv, no PDL", True, False, True),
+                ("gemv + PDL, qkv not fused", True, True, False), ("gemv + PDL", True, True, True))
     for ctx in (512, 4096):
         prompts = random_prompts(1, ctx, model.config.vocab_size, seed=ctx)
-        for label, fused, pdl, prefetch in variants:
-            set_variant(model, fused, pdl, prefetch)
+        for label, fused, pdl, qkv in variants:
+            set_variant(model, fused, pdl, qkv)
             try:
                 e = Engine(model, None, num_pages=(ctx + 256) // 16 + 8, page_size=16, max_num_seqs=1,
                            max_num_batched_tokens=ctx + 16, eos_token_ids=[])
@@ -161,7 +184,7 @@ def engine_ab(log):
             except Exception:
                 log(traceback.format_exc())
             torch.cuda.empty_cache()
-        seqs = {k: v for k, v in out.get(f"tokens ctx={ctx}", {}).items() if k.startswith("gemv")}
+        seqs = {k: v for k, v in out.get(f"tokens ctx={ctx}", {}).items() if k in ("gemv, no PDL", "gemv + PDL")}
         same = len({tuple(t) for t in seqs.values()}) == 1  # same kernels and math: PDL must change nothing
         out[f"gemv tokens identical ctx={ctx}"] = same
         log(f"[engine] ctx={ctx}: greedy tokens {'identical' if same else 'DIFFER'} across {list(seqs)}")

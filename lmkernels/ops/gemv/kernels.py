@@ -26,18 +26,6 @@ try:  # Hopper's grid dependency control (triton ≥ 3.4)
 except ImportError:  # pragma: no cover - older triton: pdl_enabled() is False, USE_PDL never set
     gdc_launch_dependents = gdc_wait = None
 
-L2_LINE = tl.constexpr(64)  # bf16/fp16 elements in a 128-byte line
-
-
-@triton.jit
-def _prefetch_l2(w_ptrs, K, BLOCK_K: tl.constexpr):
-    """Ask L2 for this program's rows of W, one 128-byte line at a time (kept with priority: evict_last)."""
-    lines = tl.arange(0, BLOCK_K // L2_LINE) * L2_LINE
-    for k0 in range(0, K, BLOCK_K):
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l",
-                                  [w_ptrs + k0 + lines[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _load_w(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
     if EVEN_K:
@@ -74,26 +62,14 @@ def _accumulate(acc, acc_up, ss, w, w_up, x_ptr, g_ptr, k0, offs_k, offs_m, M, K
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """y [M, N] from x [M, K] and W [N (×2 if GATED), K]; N is the output width."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _stream(x_ptr, g_ptr, w_ptrs, up_ptrs, M, K, stride_xm, eps,
+            HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """The rows at w_ptrs (and up_ptrs when GATED) against all of x over the whole K: (y, up) [BLOCK_M, BLOCK_N]
+    in fp32, RMSNorm's scale applied."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
-    # rows past N re-read row N − 1 (no mask on the hot loads); their results are not stored
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn
-    up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn  # GATED: the up half starts N rows down
-
-    if PREFETCH:  # the kernel before is latency-bound (attention): pull the whole slice into L2 meanwhile
-        _prefetch_l2(w_ptrs, K, BLOCK_K)
-        if GATED:
-            _prefetch_l2(up_ptrs, K, BLOCK_K)
     w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
     w_up = _load_w(up_ptrs, 0, offs_k, K, EVEN_K) if GATED else 0.0
     if USE_PDL:  # the first tile is in flight; now wait for the kernel that writes x
@@ -125,7 +101,6 @@ def _gemv_kernel(
 
     if USE_PDL:  # the streaming is done: the next kernel may launch and start loading its weights
         gdc_launch_dependents()
-    # [BLOCK_M, BLOCK_N] results
     if BLOCK_M == 1:
         y = tl.sum(acc, 1)[None, :]
         up = tl.sum(acc_up, 1)[None, :] if GATED else 0.0
@@ -139,6 +114,26 @@ def _gemv_kernel(
         y = y * rstd
         if GATED:
             up = up * rstd
+    return y, up
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """y [M, N] from x [M, K] and W [N (×2 if GATED), K]; N is the output width."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    # rows past N re-read row N − 1 (no mask on the hot loads); their results are not stored
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn
+    up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn  # GATED: the up half starts N rows down
+    y, up = _stream(x_ptr, g_ptr, w_ptrs, up_ptrs, M, K, stride_xm, eps, HAS_NORM, GATED, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, STAGES, USE_PDL, INTERPRET)
     n_mask = offs_n < N
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -150,6 +145,60 @@ def _gemv_kernel(
     if HAS_RESIDUAL:
         y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_qkv_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, q_ptr, cs_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+    M, K, stride_xm, stride_wn, stride_qm, stride_cs, stride_kcp, stride_kcs, stride_kch,
+    stride_vcp, stride_vcs, stride_vch, n_q_heads, n_kv_heads, page_size, eps,
+    HEAD_D: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """q|k|v = x W_qkvᵀ (+ b), NeoX rotary on q and k, q stored to q_ptr [M, Hq·D], k and v stored into the paged
+    caches [pages, page_size, Hk, D] at slot_ptr[m] (−1: no store).
+
+    A program owns BLOCK_N / 2 rotary pairs of one head: rows d and d + D/2 for BLOCK_N / 2 consecutive d,
+    interleaved (even columns the first half, odd the second), so both halves of each pair meet in its
+    registers and the rotation needs no exchange between programs."""
+    HALF: tl.constexpr = HEAD_D // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    per_head = HALF // PAIRS
+    head = tl.program_id(0) // per_head
+    i = tl.arange(0, BLOCK_N)
+    d = (tl.program_id(0) % per_head) * PAIRS + i // 2 + (i % 2) * HALF  # dim within the head
+    rows = (head * HEAD_D + d).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn
+    y, _ = _stream(x_ptr, g_ptr, w_ptrs, w_ptrs, M, K, stride_xm, eps, HAS_NORM, False, BLOCK_M, BLOCK_N,
+                   BLOCK_K, EVEN_K, STAGES, USE_PDL, INTERPRET)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if head < n_q_heads + n_kv_heads:  # q or k: rotate each pair (x1, x2) by its position's angle
+        pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        j = (tl.program_id(0) % per_head) * PAIRS + tl.arange(0, PAIRS)
+        cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cs, mask=m_ok[:, None], other=0.0)
+        sin = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
+        x1, x2 = tl.split(tl.reshape(y, (BLOCK_M, PAIRS, 2)))
+        y = tl.interleave(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if head < n_q_heads:
+        ptrs = q_ptr + offs_m[:, None] * stride_qm + (head * HEAD_D + d)[None, :]
+        tl.store(ptrs, y.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
+        ok = (m_ok & (slot >= 0))[:, None]
+        page, row = slot // page_size, slot % page_size
+        if head < n_q_heads + n_kv_heads:
+            kv = head - n_q_heads
+            ptrs = kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kcs + kv * stride_kch + d[None, :]
+            tl.store(ptrs, y.to(kc_ptr.dtype.element_ty), mask=ok)
+        else:
+            kv = head - n_q_heads - n_kv_heads
+            ptrs = vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vcs + kv * stride_vch + d[None, :]
+            tl.store(ptrs, y.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 def gemv_config(m: int, n: int, k: int, gated: bool):
@@ -174,9 +223,9 @@ def gemv_config(m: int, n: int, k: int, gated: bool):
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, STAGES=stages)
 
 
-def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, l2_prefetch=False, use_pdl=None, config=None):
+def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, use_pdl=None, config=None):
     """x [M, K] (unit K stride), weight [N_w, K] (unit K stride) → y [M, N] in x's dtype (N = N_w, or N_w / 2
-    when gated). l2_prefetch (with PDL only): pull the whole weight into L2 before waiting for x."""
+    when gated)."""
     import torch
 
     m, k = x.shape
@@ -196,7 +245,29 @@ def gemv(x, weight, bias, norm_weight, eps, residual, gated, *, l2_prefetch=Fals
         m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         float(eps),
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        GATED=bool(gated), EVEN_K=k % cfg["BLOCK_K"] == 0, USE_PDL=pdl,
-        PREFETCH=pdl and bool(l2_prefetch), INTERPRET=interpreting(), **cfg, **launch,
+        GATED=bool(gated), EVEN_K=k % cfg["BLOCK_K"] == 0, USE_PDL=pdl, INTERPRET=interpreting(), **cfg, **launch,
     )
     return y
+
+
+def gemv_qkv(x, weight, bias, norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, n_q_heads,
+             *, use_pdl=None, config=None):
+    """q [M, Hq·D] in x's dtype; k and v of each row go to the caches at slot_mapping (see _gemv_qkv_kernel)."""
+    import torch
+
+    m, k = x.shape
+    n_kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    q = torch.empty(m, n_q_heads * d, dtype=x.dtype, device=x.device)
+    cfg = dict(config or gemv_config(m, weight.shape[0], k, False))
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], d)  # a program's pairs stay inside one head
+    pdl = pdl_enabled(x.device) if use_pdl is None else bool(use_pdl)
+    launch = {"launch_pdl": True} if pdl else {}
+    grid = ((n_q_heads + 2 * n_kv_heads) * d // cfg["BLOCK_N"],)
+    _gemv_qkv_kernel[grid](
+        x, weight, bias, norm_weight, q, cos_sin_cache, positions, slot_mapping, k_cache, v_cache,
+        m, k, x.stride(0), weight.stride(0), q.stride(0), cos_sin_cache.stride(0), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], n_q_heads, n_kv_heads, k_cache.shape[1], float(eps),
+        HEAD_D=d, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        USE_PDL=pdl, INTERPRET=interpreting(), **cfg, **launch,
+    )
+    return q
