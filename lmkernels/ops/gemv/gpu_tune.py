@@ -1,11 +1,14 @@
 """The gemv kernel on a CUDA GPU: `python -m lmkernels.ops.gemv.gpu_tune OUT_DIR [--engine]`.
 
 1. Correctness at the Llama-3-8B decode shapes (bf16, each layer's fusion, with and without PDL) against fp32 math.
+   --decode-check: one decode step of a 4-layer model of that shape, bf16 on the GPU (gemv path and matmul
+   path), against the same weights in fp32 on the CPU.
 2. --sweep: a launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
    same rotated weights and the copy ceiling of the same run.
 3. --engine: the llama3-8b engine's B=1 decode at contexts 512 and 4096 (graph replay ms per token and tokens/s
-   of generate) with the matmul path, the gemv path without PDL, with PDL, and with PDL + the o projection's
-   L2 prefetch; greedy tokens of the gemv variants must agree; plus the kernels of one eager step.
+   of generate) with the matmul path, the gemv path without PDL, with PDL but rotary and the KV write not fused
+   into the qkv pass, and the default (all of it); greedy tokens with and without PDL must agree; one decode
+   step's logits against the matmul path's; the kernels of one eager step.
 Writes OUT_DIR/gemv_tune.json and prints a short table last.
 """
 
@@ -60,7 +63,7 @@ def check_all(log):
                                  None if c["residual"] is None else c["residual"].float(), c["gated"])
             for pdl in (False, True):
                 err = rel(kernels.gemv(c["x"], c["weight"], c["bias"], c["norm_weight"], 1e-6, c["residual"],
-                                       c["gated"], use_pdl=pdl, l2_prefetch=pdl), ref)
+                                       c["gated"], use_pdl=pdl), ref)
                 out[f"{name} M={m} pdl={pdl}"] = err
                 log(f"[check] {name} M={m} pdl={pdl}: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAIL'}")
     hq, hk, d, k, page = 32, 8, 128, 4096, 16
@@ -192,17 +195,59 @@ def engine_ab(log):
             for label, t in seqs.items():
                 log(f"    {label}: {t[:24]}")
     set_variant(model, True, True, True)
-    try:  # kernels of one eager gemv-path decode step at ctx 512
+    try:  # kernels of one eager gemv-path decode step at ctx 512, and its logits against the matmul path's
         kv = model.allocate_kv_cache(40, 16)
+        for t in (*kv.k, *kv.v):
+            t.normal_()
         pos, meta = decode_metadata([list(range(33))], [513], 16, device="cuda")
         tok = torch.tensor([5], device="cuda")
         with torch.inference_mode():
+            set_variant(model, False, True, False)
+            ref_logits = model(tok, pos, meta, kv).float()
+            set_variant(model, True, True, True)
+            err = rel(model(tok, pos, meta, kv).float(), ref_logits)
+            out["decode logits gemv vs matmul path"] = err
+            log(f"[check] one decode step (ctx 512, random cache): gemv path vs matmul path logits rel err {err:.2e}")
             n = count_kernels(lambda: model(tok, pos, meta, kv))
         out["kernels_per_step"] = n
         out["profile"] = PROFILES[-1]
         log(f"[engine] gemv path: {n} kernels per step ({n / model.config.num_layers:.2f} per layer); top: {PROFILES[-1]}")
     except Exception:
         log(traceback.format_exc())
+    return out
+
+
+def decode_check(log, layers=4, context=100):
+    """One decode step of a 4-layer Llama-3-8B-shaped model (bf16 on the GPU: the gemv path and the matmul path)
+    against the same weights in fp32 on the CPU (the ops' references): last-position logits, rel err."""
+    from ...loading import load_preset
+    from ...models.metadata import decode_metadata, prefill_metadata
+
+    gpu = load_preset("llama3-8b", dtype=torch.bfloat16, device="cuda", seed=1, num_hidden_layers=layers)
+    cpu = load_preset("llama3-8b", dtype=torch.float32, device="meta", num_hidden_layers=layers)
+    cpu = cpu.to_empty(device="cpu")
+    with torch.no_grad():
+        for p, q in zip(cpu.parameters(), gpu.parameters()):
+            p.copy_(q.float().cpu())
+    cpu.cos_sin_cache = gpu.cos_sin_cache.cpu()
+    prompt = torch.randint(3, gpu.config.vocab_size, (context,)).tolist()
+    table = list(range(context // 16 + 2))
+    logits = {}
+    for name, model, dev, fused in (("fp32 cpu", cpu, "cpu", False), ("gemv path", gpu, "cuda", True),
+                                    ("matmul path", gpu, "cuda", False)):
+        model.fused_decode = fused
+        kv = model.allocate_kv_cache(len(table) + 1, 16)
+        pos, meta = prefill_metadata([table], [context], 16, device=dev)
+        with torch.inference_mode():
+            model(torch.tensor(prompt, device=dev), pos, meta, kv)
+            pos, meta = decode_metadata([table], [context + 1], 16, device=dev)
+            logits[name] = model(torch.tensor([17], device=dev), pos, meta, kv).float().cpu()
+    gpu.fused_decode = True
+    out = {f"decode step {k} vs fp32": rel(logits[k], logits["fp32 cpu"]) for k in ("gemv path", "matmul path")}
+    for k, v in out.items():
+        log(f"[check] {layers}-layer llama3-8b shape, {k} (bf16 GPU) vs fp32 CPU logits: rel err {v:.2e}")
+    del gpu, cpu
+    torch.cuda.empty_cache()
     return out
 
 
@@ -221,6 +266,8 @@ def main(argv):
     log(f"copy {copy:.0f} GB/s")
     with torch.no_grad():
         res["check"] = check_all(log)
+        if "--decode-check" in argv:
+            res["decode_check"] = decode_check(log)
         if "--sweep" in argv:
             res["sweep"] = sweep(log, copy)
         if "--engine" in argv:
@@ -237,6 +284,7 @@ def main(argv):
         if isinstance(v, dict) and "tokens_per_s" in v:
             log(f"{key:28s} {v['tokens_per_s']:7.1f} tok/s  replay {v['replay_ms']:.3f} ms")
     fails = [k for k, v in res["check"].items() if not v < 1e-2]
+    fails += [k for k, v in res.get("decode_check", {}).items() if not v < 2e-2]
     fails += [k for k, v in (res.get("engine") or {}).items() if k.startswith("gemv tokens") and not v]
     log(f"checks: {len(res['check']) - len(fails)} ok, {len(fails)} failed {fails}; {res['seconds']:.0f} s")
     return 1 if fails else 0
