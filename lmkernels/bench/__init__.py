@@ -22,8 +22,8 @@ import traceback
 # suite name → module (imported when the suite runs); each module has run(result, quick, save)
 SUITES = {"norm": ".suites.norm", "activation": ".suites.activation", "rope": ".suites.rope",
           "attention": ".suites.attention", "kda": ".suites.kda", "mla": ".suites.mla", "engine": ".suites.engine",
-          "sweep": ".sweep"}
-ALL = ("norm", "activation", "rope", "attention", "kda", "mla", "engine")  # "all"; the sweep is asked for by name
+          "gemv": ".suites.gemv", "sweep": ".sweep"}
+ALL = ("norm", "activation", "rope", "gemv", "attention", "kda", "mla", "engine")  # "all"; the sweep is asked for by name
 
 
 def load_suite(name: str):

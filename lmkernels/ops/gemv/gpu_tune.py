@@ -3,7 +3,8 @@
 1. Correctness at the Llama-3-8B decode shapes (bf16, each layer's fusion, with and without PDL) against fp32 math.
    --decode-check: one decode step of a 4-layer model of that shape, bf16 on the GPU (gemv path and matmul
    path), against the same weights in fp32 on the CPU.
-2. --sweep: a launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
+2. --sweep-rows: launch configurations for 2, 4 and 8 rows of x on the layer shapes, beside cuBLAS.
+   --sweep: a launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
    same rotated weights and the copy ceiling of the same run.
 3. --engine: the llama3-8b engine's B=1 decode at contexts 512 and 4096 (graph replay ms per token and tokens/s
    of generate) with the matmul path, the gemv path without PDL, with PDL but rotary and the KV write not fused
@@ -19,6 +20,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from . import kernels, reference
 
@@ -148,6 +150,41 @@ def sweep(log, copy_gbps):
     return results
 
 
+def sweep_rows(log, rows=(2, 4, 8)):
+    """Launch configurations for several rows of x (decode batches of 2–8) on the four layer shapes."""
+    from ...bench import timing
+
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, STAGES=st) for bn in (4, 8) for bk in (256, 512)
+            for w in (4, 8) for st in (1, 3)]
+    l2 = timing.l2_bytes()
+    out = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k, fusion = SHAPES[name]
+        for m in rows:
+            sets = [inputs(n, k, fusion, m)]
+            sets += [inputs(n, k, fusion, m) for _ in range(timing.rotation_count(sets[0]["weight"].numel() * 2, l2) - 1)]
+            nbytes = sets[0]["weight"].numel() * 2
+            res = []
+            for cfg in grid:
+                full = dict(BLOCK_M=triton.next_power_of_2(m), **cfg)
+                try:
+                    ms = timing.time_ms(lambda c: run(c, full, True), [(c,) for c in sets])
+                    res.append((nbytes / ms / 1e6, cfg))
+                except Exception as e:
+                    log(f"[rows] {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            ms_default = timing.time_ms(lambda c: run(c, None, True), [(c,) for c in sets])
+            ms_cublas = timing.time_ms(lambda c: F.linear(c["x"], c["weight"]), [(c,) for c in sets])
+            res.sort(key=lambda r: -r[0])
+            out[f"{name} M={m}"] = dict(best=res[0][1], best_gbps=res[0][0], default_gbps=nbytes / ms_default / 1e6,
+                                         cublas_gbps=nbytes / ms_cublas / 1e6, top=res[:5])
+            r = out[f"{name} M={m}"]
+            log(f"[rows] {name} M={m}: best {r['best']} {r['best_gbps']:.0f} GB/s, default {r['default_gbps']:.0f}, "
+                f"cuBLAS {r['cublas_gbps']:.0f}; next: " + "; ".join(f"{g:.0f} {c}" for g, c in res[1:4]))
+            del sets
+            torch.cuda.empty_cache()
+    return out
+
+
 def engine_ab(log):
     from ... import _utils
     from ...bench.suites.engine import engine_decode, median_ms, random_prompts, weight_bytes_per_token
@@ -270,6 +307,8 @@ def main(argv):
             res["decode_check"] = decode_check(log)
         if "--sweep" in argv:
             res["sweep"] = sweep(log, copy)
+        if "--sweep-rows" in argv:
+            res["sweep_rows"] = sweep_rows(log)
         if "--engine" in argv:
             res["engine"] = engine_ab(log)
     res["seconds"] = time.time() - t0
