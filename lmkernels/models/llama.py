@@ -14,7 +14,7 @@ Per layer, with the residual stream r and the fused residual-add + RMSNorm of lm
     h      = silu_and_mul(x W_gate|upᵀ) W_downᵀ
 final: x = rms_norm(h, w_norm, eps, r) on the rows that need logits, logits = x W_lm_headᵀ.
 
-A step of at most 8 tokens (decode) on the Triton kernels runs the same math as four fused gemv passes per layer
+A step of at most FEW_ROWS tokens (decode) on the Triton kernels runs the same math as four fused gemv passes per layer
 (lmkernels.ops.gemv), carrying the residual stream h alone:
 
     h = h + attention(rms_norm(h, w_in) W_qkvᵀ) W_oᵀ       (norm, rotary and the KV-cache write in the qkv gemv,
@@ -38,11 +38,16 @@ from ..ops.attention import (
     ATTN_DTYPES, attention_decode, attention_prefill, attention_prefill_paged, reference as attn_reference,
     write_kv_cache,
 )
-from ..ops.gemv import MAX_ROWS as GEMV_MAX_ROWS, gemv, gemv_qkv
+from ..ops.gemv import gemv, gemv_qkv
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rotary, build_cos_sin_cache
 from .config import ModelConfig
 from .metadata import AttentionMetadata, KVCache
+
+
+# Decode steps of up to this many tokens take the gemv layers: on the H100 they beat cuBLAS with the unfused
+# neighbours at 1 and 2 rows and break even at 4; at 8 rows cuBLAS streams 20–40% faster (benchmarks/NOTES.md).
+FEW_ROWS = 4
 
 
 def _param(*shape, dtype, device):
@@ -227,9 +232,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True  # False: decode steps take the matmul path too (to compare)
 
     def few_rows_path(self, h: torch.Tensor) -> bool:
-        """Steps of at most GEMV_MAX_ROWS tokens (decode) run the fused gemv layers on the Triton kernels."""
-        return (self.fused_decode and 0 < h.shape[0] <= GEMV_MAX_ROWS and h.dtype in ATTN_DTYPES
-                and use_triton(h))
+        """Steps of at most FEW_ROWS tokens (decode) run the fused gemv layers on the Triton kernels."""
+        return self.fused_decode and 0 < h.shape[0] <= FEW_ROWS and h.dtype in ATTN_DTYPES and use_triton(h)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

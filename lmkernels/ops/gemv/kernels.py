@@ -207,7 +207,8 @@ def gemv_config(m: int, n: int, k: int, gated: bool):
     Memory-bound: a program streams BLOCK_N rows of W (twice that when gated); small BLOCK_N gives
     hundreds of programs even for N = 4096 (4 per SM on 132 SMs, all resident in one wave), and the K
     loop keeps STAGES tiles of BLOCK_N × BLOCK_K in flight. More rows of x shrink BLOCK_K so the
-    accumulators still fit in registers. The figures: M=1, bf16, H100 sweep (benchmarks/NOTES.md).
+    accumulators still fit in registers. The figures: bf16, H100 sweeps (benchmarks/NOTES.md); from 4 rows on
+    cuBLAS catches up (qkv, gate|up at 4 rows) and passes (every shape at 8 rows).
     """
     block_m = triton.next_power_of_2(max(1, m))
     if gated:  # gate|up 2×14336×4096: BN 4, BK 1024, 4 stages (2804 GB/s; 2738–2758 for BN 8 or BK 512)
@@ -218,7 +219,9 @@ def gemv_config(m: int, n: int, k: int, gated: bool):
         block_n, block_k, stages = 8, 512, 3
     else:  # qkv 6144×4096, o 4096×4096: no pipelining (2389 GB/s on qkv, 2154 with 3 stages)
         block_n, block_k, stages = 8, 512, 1
-    block_k = max(64, block_k // block_m)  # more rows of x: the same accumulator registers
+    if block_m > 1:  # 2–8 rows (sweep at 2, 4, 8): 3 stages, shorter K tiles as the accumulators grow
+        block_k, stages = (512 if block_m == 2 else 256), 3
+        block_n = 4 if (gated or block_m >= 8) else 8
     block_k = min(block_k, max(64, triton.next_power_of_2(k)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, STAGES=stages)
 
