@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .ops import activation, attention, norm, rope
+from .ops import activation, attention, gemv, norm, rope
 
 # Relative-error limits against the reference at the op's input dtype. Both sides compute in fp32 and
 # round once, so they differ by about one rounding of the output (bf16: 2^-9 relative).
@@ -70,6 +70,39 @@ def _rope_cases(tokens, dev, dt):
         yield name, (tokens, heads, dim), ours, ref
 
 
+def _gemv_cases(rows, dev, dt):
+    """The decode-time linear layers: plain, RMSNorm + SwiGLU, residual; qkv with rotary and the cache write."""
+    big = dev.type == "cuda"
+    k, n = (4096, 14336) if big else (300, 40)
+    x = torch.randn(rows, k, device=dev, dtype=dt)
+    g = torch.rand(k, device=dev, dtype=dt) + 0.5
+    w = (torch.randn(2 * n, k, device=dev) / k ** 0.5).to(dt)
+    r = torch.randn(rows, n, device=dev, dtype=dt)
+    yield "gemv", (rows, n, k), lambda: gemv.gemv(x, w[:n]), lambda: gemv.reference.gemv(x, w[:n])
+    yield ("gemv(rms_norm, SwiGLU)", (rows, n, k), lambda: gemv.gemv(x, w, norm_weight=g, gated=True),
+           lambda: gemv.reference.gemv(x, w, None, g, 1e-6, None, True))
+    yield ("gemv(+ residual)", (rows, n, k), lambda: gemv.gemv(x, w[:n], residual=r),
+           lambda: gemv.reference.gemv(x, w[:n], None, None, 1e-6, r))
+    hq, hk, d, page = (32, 8, 128, 16) if big else (4, 2, 32, 4)
+    wqkv = (torch.randn((hq + 2 * hk) * d, k, device=dev) / k ** 0.5).to(dt)
+    angles = torch.arange(64.0, device=dev)[:, None] * torch.rand(d // 2, device=dev)[None, :]
+    cs = torch.cat((angles.cos(), angles.sin()), -1)
+    pos = torch.randint(0, 64, (rows,), device=dev)
+    slots = torch.randperm(8 * page, device=dev)[:rows]
+
+    def qkv(fn):
+        kc = torch.zeros(8, page, hk, d, device=dev, dtype=dt)
+        vc = torch.zeros_like(kc)
+        q = fn(x, wqkv, None, g, 1e-6, cs, pos, kc, vc, slots, hq)
+        return torch.cat([q.flatten(), kc.flatten(), vc.flatten()])
+
+    yield ("gemv_qkv(rms_norm, rotary, cache)", (rows, (hq + 2 * hk) * d, k),
+           lambda: qkv(lambda *a: gemv.gemv_qkv(*a[:3], norm_weight=a[3], eps=a[4], cos_sin_cache=a[5],
+                                                 positions=a[6], k_cache=a[7], v_cache=a[8], slot_mapping=a[9],
+                                                 num_heads=a[10])),
+           lambda: qkv(gemv.reference.gemv_qkv))
+
+
 def _attention_cases(big, dev, dt):
     """Prefill (packed ragged batch, GQA, causal / window + softcap), paged decode over shuffled pages (1 and 2
     new tokens, bf16/fp16 and FP8 caches), KV writes and the LSE merge."""
@@ -121,7 +154,8 @@ def cases(device):
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for gen, rows in ((_norm_cases, (4093, 1) if big else (5, 1)),
                           (_activation_cases, (8191, 1) if big else (3, 1)),
-                          (_rope_cases, (8191, 1) if big else (7, 1))):
+                          (_rope_cases, (8191, 1) if big else (7, 1)),
+                          (_gemv_cases, (1, 3))):
             for r in rows:
                 for name, shape, ours, ref in gen(r, device, dt):
                     yield name, tuple(shape), dt, ours, ref

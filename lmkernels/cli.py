@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     g.set_defaults(func=_generate)
     sub.add_parser("check", help="run every op against its reference on this device").set_defaults(func=_check)
     b = sub.add_parser("bench", help="benchmark suites on the GPU against peers and measured ceilings")
-    b.add_argument("suites", nargs="+", help="suite names (norm, activation, rope, attention, kda, mla, engine, all, sweep)")
+    b.add_argument("suites", nargs="+", help="suite names (norm, activation, rope, gemv, attention, kda, mla, engine, all, sweep)")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
     b.add_argument("--results-dir", default="benchmarks/results")
     b.add_argument("--markdown", default="BENCHMARKS.md")

@@ -8,7 +8,8 @@ def test_check_passes_and_covers_every_family(capsys):
     assert check.run("cpu") == 0
     out = capsys.readouterr().out
     for name in ("rms_norm", "layer_norm_gelu", "silu_and_mul", "apply_rotary", "attention_prefill",
-                 "attention_decode(fp8 cache)", "write_kv_cache", "merge_attention_states"):
+                 "attention_decode(fp8 cache)", "write_kv_cache", "merge_attention_states", "gemv(rms_norm, SwiGLU)",
+                 "gemv_qkv(rms_norm, rotary, cache)"):
         assert name in out
     assert "all passed" in out
 

@@ -3,7 +3,8 @@
 1. Correctness at the Llama-3-8B decode shapes (bf16, each layer's fusion, with and without PDL) against fp32 math.
    --decode-check: one decode step of a 4-layer model of that shape, bf16 on the GPU (gemv path and matmul
    path), against the same weights in fp32 on the CPU.
-2. --sweep-rows: launch configurations for 2, 4 and 8 rows of x on the layer shapes, beside cuBLAS.
+2. --attn: B=1 paged decode at the engine's capacity-sized launch: split floor × pipeline depth.
+   --sweep-rows: launch configurations for 2, 4 and 8 rows of x on the layer shapes, beside cuBLAS.
    --sweep: a launch-configuration sweep per shape (GB/s of weights streamed), beside cuBLAS (F.linear, no fusion) on the
    same rotated weights and the copy ceiling of the same run.
 3. --engine: the llama3-8b engine's B=1 decode at contexts 512 and 4096 (graph replay ms per token and tokens/s
@@ -185,6 +186,43 @@ def sweep_rows(log, rows=(2, 4, 8)):
     return out
 
 
+def attn_probe(log):
+    """B=1 paged decode as the engine's graphs call it (Llama-3-8B heads, capacity 8192, page 16): µs per call for
+    the split floor (keys per split) and pipeline depth, checked against the default's output."""
+    from ...bench import timing
+    from ..attention import attention_decode
+    from ..attention import kernels as attn
+
+    base_cfg, base_floor = attn.decode_config, attn.MIN_KEYS_PER_SPLIT
+    hq, hk, d, page, cap = 32, 8, 128, 16, 8192
+    out = {}
+    for ctx in (512, 2048, 4096, 8192):
+        sets = []
+        for _ in range(max(1, timing.rotation_count(2 * ctx * hk * d * 2, timing.l2_bytes()))):
+            pages = torch.randperm(cap // page, device="cuda").to(torch.int32)[None, :]
+            kc = torch.randn(cap // page, page, hk, d, device="cuda").to(torch.bfloat16)
+            vc = torch.randn_like(kc)
+            q = torch.randn(1, 1, hq, d, device="cuda").to(torch.bfloat16)
+            sets.append((q, kc, vc, pages, torch.tensor([ctx], device="cuda", dtype=torch.int32)))
+        ref = attention_decode(*sets[0], max_seqlen_k=cap)
+        for floor in (256, 128, 64):
+            for stages in (5, 3, 2):
+                attn.MIN_KEYS_PER_SPLIT = floor
+                attn.decode_config = (lambda *a, st=stages, **k: dict(base_cfg(*a, **k), num_stages=st))
+                try:
+                    fn = lambda *a: attention_decode(*a, max_seqlen_k=cap)  # noqa: E731
+                    err = rel(fn(*sets[0]), ref)
+                    us = timing.time_ms(fn, sets) * 1e3
+                    out[f"ctx={ctx} floor={floor} stages={stages}"] = dict(us=us, err=err)
+                    log(f"[attn] B=1 ctx={ctx} floor {floor} stages {stages}: {us:.1f} µs (err vs default {err:.1e})")
+                except Exception as e:
+                    log(f"[attn] ctx={ctx} floor {floor} stages {stages}: {type(e).__name__}: {str(e)[:100]}")
+        attn.decode_config, attn.MIN_KEYS_PER_SPLIT = base_cfg, base_floor
+        del sets
+        torch.cuda.empty_cache()
+    return out
+
+
 def engine_ab(log):
     from ... import _utils
     from ...bench.suites.engine import engine_decode, median_ms, random_prompts, weight_bytes_per_token
@@ -307,6 +345,8 @@ def main(argv):
             res["decode_check"] = decode_check(log)
         if "--sweep" in argv:
             res["sweep"] = sweep(log, copy)
+        if "--attn" in argv:
+            res["attn"] = attn_probe(log)
         if "--sweep-rows" in argv:
             res["sweep_rows"] = sweep_rows(log)
         if "--engine" in argv:
