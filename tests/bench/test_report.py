@@ -223,13 +223,13 @@ def test_act_configs():
 
 
 def test_resolve_suites():
-    everything = ["norm", "activation", "rope", "attention", "kda", "mla", "engine"]
+    everything = ["norm", "activation", "rope", "gemv", "attention", "kda", "mla", "engine"]
     assert bench.resolve_suites(["all"]) == everything
     assert bench.resolve_suites(["rope", "all", "sweep"]) == ["rope", *everything[:2], *everything[3:], "sweep"]
     with pytest.raises(ValueError, match="unknown benchmark suite 'nope'"):
         bench.resolve_suites(["nope"])
     assert set(bench.SUITES) == {*everything, "sweep"}
-    for name in ("norm", "activation", "rope", "attention", "sweep"):  # kda, mla, engine: added with their issues
+    for name in ("norm", "activation", "rope", "gemv", "attention", "sweep"):  # kda, mla, engine: added with their issues
         assert callable(getattr(bench.load_suite(name), "run", None))
 
 
