@@ -223,3 +223,26 @@ def test_qkv_bad_input(bad, match):
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=match):
         gemv_qkv(args.pop("x"), args.pop("weight"), **args)
+
+
+def test_torch_compile_fullgraph():
+    """Both ops trace as custom ops (fake implementations give the shapes; gemv_qkv declares its cache writes)."""
+    c = make(2, 24, 64, torch.float32, norm=True, gated=True, residual=True)
+    hq, hk, d = 2, 1, 16
+    wqkv = torch.randn((hq + 2 * hk) * d, 24) / 5
+    angles = torch.arange(8.0)[:, None] * torch.rand(d // 2)[None, :]
+    cs = torch.cat((angles.cos(), angles.sin()), -1)
+    pos, slots = torch.tensor([1, 6]), torch.tensor([3, 0])
+
+    def step(x, w, g, r, kc, vc):
+        h = gemv(x, w, norm_weight=g, residual=r, gated=True)
+        return gemv_qkv(h, wqkv, num_heads=hq, cos_sin_cache=cs, positions=pos, k_cache=kc, v_cache=vc,
+                        slot_mapping=slots)
+
+    caches = [torch.zeros(2, 4, hk, d) for _ in range(4)]
+    args = (c["x"], c["weight"], c["norm_weight"], c["residual"])
+    want = step(*args, caches[0], caches[1])
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args, caches[2], caches[3])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(caches[2], caches[0])
+    torch.testing.assert_close(caches[3], caches[1])

@@ -140,7 +140,7 @@ def gemv_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             raise ValueError(f"{name} must be contiguous in its last dimension")
     check_same_device(x=x, cos_sin_cache=cos_sin_cache, positions=positions, k_cache=k_cache, v_cache=v_cache,
                       slot_mapping=slot_mapping)
-    if x.device.type == "cpu":  # data checks cost a host sync on the GPU
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # data checks: a host sync on the GPU
         n_slots = k_cache.shape[0] * k_cache.shape[1]
         if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < cos_sin_cache.shape[0]):
             raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the cos_sin_cache rows)")

@@ -26,6 +26,7 @@ try:  # Hopper's grid dependency control (triton ≥ 3.4)
 except ImportError:  # pragma: no cover - older triton: pdl_enabled() is False, USE_PDL never set
     gdc_launch_dependents = gdc_wait = None
 
+
 @triton.jit
 def _load_w(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
     if EVEN_K:
@@ -202,7 +203,7 @@ def _gemv_qkv_kernel(
 
 
 def gemv_config(m: int, n: int, k: int, gated: bool):
-    """Launch parameters: dict(BLOCK_N, BLOCK_K, num_warps, STAGES).
+    """Launch parameters: dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES).
 
     Memory-bound: a program streams BLOCK_N rows of W (twice that when gated); small BLOCK_N gives
     hundreds of programs even for N = 4096 (4 per SM on 132 SMs, all resident in one wave), and the K
