@@ -64,19 +64,29 @@ def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
         ) from None
 
 
+def check_index_range(name: str, t: torch.Tensor, lo: int, hi: int, what: str) -> None:
+    """Values of the index tensor `t` within [lo, hi): a data check, so for CPU tensors only (on CUDA it would
+    cost a host sync); `what` says what the range is."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    t_lo, t_hi = torch.aminmax(t)
+    if t_lo < lo or t_hi >= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}) ({what}), got values in [{t_lo}, {t_hi}]")
+
+
 # Programmatic dependent launch (Hopper): kernels launched with it start while the kernel before them drains and
 # wait for it (gdc_wait) before touching its outputs. False turns it off everywhere (to compare).
 ENABLE_PDL = True
+try:  # grid dependency control, for kernels that take a USE_PDL flag (triton ≥ 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: pdl_enabled() is False, USE_PDL never set
+    gdc_launch_dependents = gdc_wait = None
 
 
 def pdl_enabled(device) -> bool:
     """Whether to launch with PDL: a CUDA device of compute capability ≥ 9, a triton that exposes grid dependency
     control, not the interpreter (which has no inline assembly)."""
-    if not ENABLE_PDL or device.type != "cuda" or interpreting():
-        return False
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401  triton ≥ 3.4
-    except ImportError:
+    if not ENABLE_PDL or gdc_wait is None or device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

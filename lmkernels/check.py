@@ -90,17 +90,19 @@ def _gemv_cases(rows, dev, dt):
     pos = torch.randint(0, 64, (rows,), device=dev)
     slots = torch.randperm(8 * page, device=dev)[:rows]
 
-    def qkv(fn):
+    def qkv(ours: bool):
+        """q and both caches after one call (ours or the reference) on fresh zeroed caches."""
         kc = torch.zeros(8, page, hk, d, device=dev, dtype=dt)
         vc = torch.zeros_like(kc)
-        q = fn(x, wqkv, None, g, 1e-6, cs, pos, kc, vc, slots, hq)
+        if ours:
+            q = gemv.gemv_qkv(x, wqkv, norm_weight=g, num_heads=hq, cos_sin_cache=cs, positions=pos, k_cache=kc,
+                              v_cache=vc, slot_mapping=slots)
+        else:
+            q = gemv.reference.gemv_qkv(x, wqkv, None, g, 1e-6, cs, pos, kc, vc, slots, hq)
         return torch.cat([q.flatten(), kc.flatten(), vc.flatten()])
 
-    yield ("gemv_qkv(rms_norm, rotary, cache)", (rows, (hq + 2 * hk) * d, k),
-           lambda: qkv(lambda *a: gemv.gemv_qkv(*a[:3], norm_weight=a[3], eps=a[4], cos_sin_cache=a[5],
-                                                 positions=a[6], k_cache=a[7], v_cache=a[8], slot_mapping=a[9],
-                                                 num_heads=a[10])),
-           lambda: qkv(gemv.reference.gemv_qkv))
+    yield ("gemv_qkv(rms_norm, rotary, cache)", (rows, (hq + 2 * hk) * d, k), lambda: qkv(True),
+           lambda: qkv(False))
 
 
 def _attention_cases(big, dev, dt):

@@ -142,10 +142,14 @@ class Attention(nn.Module):
         if meta.is_prefill:
             o = _attend_prefill(q, k, v, meta, k_cache, v_cache, self.window, self.scale)
         else:
-            b, nq = meta.seq_lens.shape[0], meta.decode_query_len
-            o = _attend_decode(q.view(b, nq, c.num_heads, c.head_dim), meta, k_cache, v_cache, self.window,
-                               self.scale)
+            o = self.decode(q, meta, k_cache, v_cache)
         return o.reshape(t, c.q_size)
+
+    def decode(self, q, meta: AttentionMetadata, k_cache, v_cache):
+        """Paged decode attention of the step's queries (any view with Q · heads · head_dim per sequence)."""
+        c = self.cfg
+        b, nq = meta.seq_lens.shape[0], meta.decode_query_len
+        return _attend_decode(q.view(b, nq, c.num_heads, c.head_dim), meta, k_cache, v_cache, self.window, self.scale)
 
 
 class MLP(nn.Module):
@@ -186,9 +190,7 @@ class DecoderLayer(nn.Module):
             q = gemv_qkv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
                          eps=self.eps, num_heads=c.num_heads, cos_sin_cache=cos_sin, positions=positions,
                          k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
-            b, nq = meta.seq_lens.shape[0], meta.decode_query_len
-            o = _attend_decode(q.view(b, nq, c.num_heads, c.head_dim), meta, k_cache, v_cache, attn.window,
-                               attn.scale).reshape(q.shape[0], c.q_size)
+            o = attn.decode(q, meta, k_cache, v_cache).reshape(q.shape)
         else:
             qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
                        eps=self.eps)

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from ..._utils import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride, use_triton,
+    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_index_range, check_same_device, check_tensor,
+    check_unit_stride, use_triton,
 )
 from . import reference
 
@@ -205,20 +206,12 @@ def attention_prefill(
 # paged KV-cache write
 
 
-def _check_slots(slot_mapping, n_slots):
-    if slot_mapping.device.type != "cpu" or slot_mapping.numel() == 0:
-        return
-    lo, hi = torch.aminmax(slot_mapping)
-    if lo < -1 or hi >= n_slots:
-        raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (−1 = skip), got values in [{lo}, {hi}]")
-
-
 @torch.library.custom_op("lmkernels::write_kv_cache", mutates_args=("k_cache", "v_cache"))
 def _write_kv_op(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
 ) -> None:
-    _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    check_index_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1], "−1 = skip")
     if not use_triton(k):
         reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return

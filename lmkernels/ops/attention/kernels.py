@@ -23,12 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting, pdl_enabled, sm_count
-
-try:  # Hopper's grid dependency control (triton ≥ 3.4); used only where pdl_enabled()
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..._utils import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride, use_triton,
+    FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_device, check_tensor, check_unit_stride, use_triton,
 )
 from . import reference
 
@@ -84,6 +84,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 
 def _run_qkv(x, weight, bias, norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, num_heads):
+    # the data checks read values: here, inside the op, where torch.compile runs them on real tensors
+    check_index_range("positions", positions, 0, cos_sin_cache.shape[0], "the rows of cos_sin_cache")
+    check_index_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1], "−1 = skip")
     if not use_triton(x):
         return reference.gemv_qkv(x, weight, bias, norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
                                   slot_mapping, num_heads)
@@ -140,12 +143,6 @@ def gemv_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             raise ValueError(f"{name} must be contiguous in its last dimension")
     check_same_device(x=x, cos_sin_cache=cos_sin_cache, positions=positions, k_cache=k_cache, v_cache=v_cache,
                       slot_mapping=slot_mapping)
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # data checks: a host sync on the GPU
-        n_slots = k_cache.shape[0] * k_cache.shape[1]
-        if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < cos_sin_cache.shape[0]):
-            raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the cos_sin_cache rows)")
-        if slot_mapping.numel() and not (int(slot_mapping.min()) >= -1 and int(slot_mapping.max()) < n_slots):
-            raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (the cache's slots)")
     args = (x, weight, bias, norm_weight, float(eps), cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
             int(num_heads))
     if torch.compiler.is_compiling():

@@ -107,8 +107,7 @@ def sweep(log, copy_gbps):
             return timing.time_ms(lambda c: run(c, cfg, pdl), [(c,) for c in sets])
 
         rows = []
-        cands = COARSE if name != "lm_head" else COARSE[:0]
-        for cfg in cands:
+        for cfg in [] if name == "lm_head" else COARSE:
             try:
                 ms = time_cfg(dict(BLOCK_M=1, **cfg))
                 rows.append((ms, cfg))
@@ -128,11 +127,8 @@ def sweep(log, copy_gbps):
         ms_default = time_cfg(default)
         ms_default_pdl = time_cfg(default, True)
         best_ms, best = rows[0] if rows else (ms_default, default)
-        ms_best_pdl = time_cfg(dict(BLOCK_M=1, **{kk: v for kk, v in best.items() if kk != "BLOCK_M"}), True)
-        ws = [(s["weight"],) for s in sets]
-        xs = [s["x"] for s in sets]
-        pairs = [(x, w) for x, (w,) in zip(xs, ws)]
-        ms_cublas = timing.time_ms(lambda x, w: F.linear(x, w), pairs)
+        ms_best_pdl = time_cfg(dict(best, BLOCK_M=1), True)
+        ms_cublas = timing.time_ms(F.linear, [(s["x"], s["weight"]) for s in sets])
         gb = lambda ms: nbytes / ms / 1e6  # noqa: E731
         results[name] = dict(
             n=n, k=k, fusion=fusion, weight_bytes=nbytes, sets=len(sets),
@@ -146,7 +142,7 @@ def sweep(log, copy_gbps):
             f"copy {copy_gbps:.0f}")
         for g, cfg in r["all"][:6]:
             log(f"    {g:7.0f}  {cfg}")
-        del sets, c0, ws, xs, pairs
+        del sets, c0
         torch.cuda.empty_cache()
     return results
 

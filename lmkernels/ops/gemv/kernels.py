@@ -19,12 +19,7 @@ launch early (`gdc_launch_dependents`). This hides the drain-and-launch gap betw
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting, pdl_enabled
-
-try:  # Hopper's grid dependency control (triton ≥ 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older triton: pdl_enabled() is False, USE_PDL never set
-    gdc_launch_dependents = gdc_wait = None
+from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled
 
 
 @triton.jit

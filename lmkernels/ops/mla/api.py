@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from ..._utils import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride, use_triton,
+    FLOAT_DTYPES, INDEX_DTYPES, check_block_tables, check_index_range, check_same_device, check_tensor,
+    check_unit_stride, use_triton,
 )
 from . import reference
 from .reference import KV_LORA_RANK, LATENT_DIM, N_SCALES, ROPE_DIM
@@ -48,22 +49,6 @@ def _check_cache(latent_cache, cache_scales):
             raise ValueError("cache_scales must be contiguous")
 
 
-def _check_slots(slot_mapping, n_slots):
-    if slot_mapping.device.type != "cpu" or slot_mapping.numel() == 0:
-        return
-    lo, hi = torch.aminmax(slot_mapping)
-    if lo < -1 or hi >= n_slots:
-        raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (−1 = skip), got values in [{lo}, {hi}]")
-
-
-def _check_positions(positions, max_position):
-    if positions.device.type != "cpu" or positions.numel() == 0:
-        return
-    lo, hi = torch.aminmax(positions)
-    if lo < 0 or hi >= max_position:
-        raise ValueError(f"positions must lie in [0, {max_position}) (the rows of cos_sin_cache), got [{lo}, {hi}]")
-
-
 def new_latent_cache(num_pages: int, page_size: int, *, dtype=torch.bfloat16, device=None):
     """An empty latent cache: (cache [num_pages, page_size, 576], scales or None). dtype float8_e4m3fn gives
     scales float32 [num_pages, page_size, 5] (one per 128 values)."""
@@ -85,8 +70,8 @@ def new_latent_cache(num_pages: int, page_size: int, *, dtype=torch.bfloat16, de
 def _write_op(kv: torch.Tensor, weight: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
               slot_mapping: torch.Tensor, latent_cache: torch.Tensor, cache_scales: Optional[torch.Tensor],
               eps: float) -> None:
-    _check_slots(slot_mapping, latent_cache.shape[0] * latent_cache.shape[1])
-    _check_positions(positions, cos_sin_cache.shape[0])
+    check_index_range("slot_mapping", slot_mapping, -1, latent_cache.shape[0] * latent_cache.shape[1], "−1 = skip")
+    check_index_range("positions", positions, 0, cos_sin_cache.shape[0], "the rows of cos_sin_cache")
     if not use_triton(kv):
         reference.write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, latent_cache, cache_scales,
                                      eps)

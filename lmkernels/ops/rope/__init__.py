@@ -9,28 +9,18 @@ from typing import Optional
 
 import torch
 
-from ..._utils import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride, use_triton
+from ..._utils import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_device, check_tensor, check_unit_stride, use_triton,
+)
 from . import reference
 from .cache import build_cos_sin_cache, rope_frequencies
 
 __all__ = ["apply_rotary", "build_cos_sin_cache", "rope_frequencies"]
 
 
-def _check_positions(positions, max_position):
-    """positions must index rows of the cache: a cheap check on CPU; on CUDA it would cost a host sync."""
-    if positions.numel() == 0:
-        return
-    lo, hi = torch.aminmax(positions)
-    if lo < 0 or hi >= max_position:
-        raise ValueError(
-            f"positions must lie in [0, {max_position}) (the rows of cos_sin_cache), got values in [{lo}, {hi}]"
-        )
-
-
 def _rotate(q, k, cos_sin_cache, positions, is_neox):
     # Here rather than in apply_rotary: it reads the values, which torch.compile cannot do while tracing.
-    if positions.device.type == "cpu":
-        _check_positions(positions, cos_sin_cache.shape[0])
+    check_index_range("positions", positions, 0, cos_sin_cache.shape[0], "the rows of cos_sin_cache")
     if not use_triton(q):
         q_rot, k_rot = reference.apply_rotary(q, k, cos_sin_cache, positions, is_neox)
         q.copy_(q_rot)
