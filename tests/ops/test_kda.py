@@ -184,17 +184,3 @@ def test_cpu_reference_path(monkeypatch):
     o, S = kda_prefill(q, k, v, f, b, output_final_state=True, **kw)
     ro, rS = ref_run(q, k, v, f, b, kw)
     assert rel(o, ro) < 1e-6 and rel(S, rS) < 1e-6
-
-
-def test_prefill_blocked_inverse(monkeypatch):
-    """The blocked (16×16 blocks, then block merges) inverse variant of the intra kernel gives the same results."""
-    from lmkernels.ops.kda import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "prefill", {"INV": 1})
-    H, K, V = 1, 64, 64
-    cu = torch.tensor([0, 1, 100])
-    q, k, v, f, b = inputs(1, 100, H, K, V, torch.float32)
-    kw = dict(gate_kwargs("safe", H, K), l2norm_qk=True, beta_sigmoid=True)
-    o, S = kda_prefill(q, k, v, f, b, cu_seqlens=cu, output_final_state=True, **kw)
-    ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu)
-    assert rel(o, ro) < TOL[torch.float32] and rel(S, rS) < TOL[torch.float32]

@@ -234,7 +234,7 @@ def tune():
     fla_err = rel_err(fla_prefill(*args)[0].float(), wo)
     res = {"fla": tm(fla_prefill, args), "fla_err": fla_err}
     best = None
-    for name, cfg in (("default", {}), ("inv-blocked", {"INV": 1}), ("inv-blocked-bk16", {"INV": 1, "BK": 16})):
+    for name, cfg in (("default", {}), ("bkw128", {"BKW": 128}), ("stages1", {"intra_stages": 1})):
         kernels.TUNE.clear()
         kernels.TUNE["prefill"] = cfg
         try:
@@ -291,8 +291,8 @@ def tune():
 
 
 def final():
-    """Tune a little (the intra kernel's inverse variants; decode launch shapes unless --no-decode-tune), then
-    run the "kda" bench suite with the chosen configuration (--quick: one prefill row and every decode row)."""
+    """Tune a little (intra W/U block and pipeline depth; decode launch shapes unless --no-decode-tune), then
+    run the "kda" bench suite with the chosen configuration (--quick: the H=32 prefill rows and every decode row)."""
     import lmkernels.bench as bench
 
     t0 = time.time()

@@ -1,16 +1,15 @@
 """KDA Triton kernels: chunked prefill (two kernels) and the recurrent decode.
 
 Prefill, chunks of BT = 64 tokens that never cross a sequence boundary:
-1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused L2 norm of q/k, gate, β sigmoid;
+1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused gate and β sigmoid;
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
-   W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V, Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ), e^Γ_C.
-   exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
-   (lower_bound ≥ −10) each 16-row block a uses the Γ of its middle row P_a as reference, pairing row i of
-   block a with column j < end of block a as exp(Γ_i − P_a)·exp(P_a − Γ_j) (each factor ≤ e^{8|lb|}, ≤ 1
-   for j before the block); other gates use one exponent per (i, j, d) (slower). Key channels are walked in
-   blocks of BK (no register spills). INV = 1 swaps the Neumann chain for a blocked inverse (16×16 blocks,
-   then (I + X)⁻¹ = (I − X)(I + X²) for the block-lower part): tested, not yet timed on the GPU.
+   W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
+   e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
+   (lower_bound ≥ −10) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
+   one dot per block of BK key channels covers the four blocks (block-diagonal right operand); the L2 norms
+   of q and k are applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for
+   A. Other gates use one exponent per (i, j, d) (slower).
 2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks):
    Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read from
    and written to a state pool.
@@ -43,9 +42,9 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
-def _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
+def _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
                K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Columns c0 … c0 + BK of the chunk's q, k (normalised) and log decay g (gated, 0 on padded rows)."""
+    """Columns c0 … c0 + BK of the chunk's q, k (not normalised) and log decay g (gated, 0 on padded rows)."""
     dk = c0 + tl.arange(0, BK)
     bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
@@ -55,7 +54,7 @@ def _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, 
             bg = bg + tl.load(dt_bias + hh * K + dk).to(tl.float32)[None, :]
         bg = _gate(bg, a, lower_bound, GATE)
     bg = tl.where(rm[:, None], bg, 0.0)
-    return bq * rq[:, None], bk * rk[:, None], bg
+    return bq, bk, bg
 
 
 @triton.jit
@@ -64,8 +63,8 @@ def _kda_intra(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
-    PREC: tl.constexpr, NSQ: tl.constexpr, INV: tl.constexpr, NSQB: tl.constexpr,
+    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr,
 ):
     ic = tl.program_id(0)
     hh = tl.program_id(1)
@@ -78,52 +77,58 @@ def _kda_intra(
     if BETA_SIG:
         bb = tl.sigmoid(bb)
     bb = tl.where(rm, bb, 0.0)
-    rq = tl.full([BT], 1.0, tl.float32)
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2:  # row norms first (a pass over the key channels)
-        sq = tl.zeros([BT], tl.float32)
-        sk = tl.zeros([BT], tl.float32)
-        for c0 in tl.static_range(0, K, BK):
-            dk = c0 + tl.arange(0, BK)
-            x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-            y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-            sq += tl.sum(x * x, 1)
-            sk += tl.sum(y * y, 1)
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
     a = 1.0
     if GATE > 0:
         a = tl.exp(tl.load(A_log + hh).to(tl.float32))
-
+    sq = tl.zeros([BT], tl.float32)
+    sk = tl.zeros([BT], tl.float32)
     causal = r[:, None] > r[None, :]
     causal_d = r[:, None] >= r[None, :]
-    NB: tl.constexpr = BT // BS
     if SAFE:
-        # one reference per BS-row block: the Γ of its middle row P_a; rows i of block a pair with columns
-        # j < end of block a as exp(Γ_i − P_a) · exp(P_a − Γ_j): both ≤ e^{8|lb|}, ≤ 1 for j before the block
-        A3 = tl.zeros([NB, BS, BT], tl.float32)
-        Aq3 = tl.zeros([NB, BS, BT], tl.float32)
-        j3 = tl.arange(0, BS)
+        # Row block b (BS rows) takes the Γ of its middle row, M_b, as reference: the pair (i, j), j in block b,
+        # gets exp(Γ_i − M_b)·exp(M_b − Γ_j); rows before block b are 0. Both factors are ≤ 1 outside the
+        # diagonal block and ≤ exp(BS/2·|lower_bound|) in it. One dot per BK block of key channels covers all
+        # four blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block diagonal in the columns).
+        # q and k are normalised afterwards (row and column scales), so q, k and g are read once here.
+        NB: tl.constexpr = BT // BS
         nb = tl.arange(0, NB)
-        colok = (r[None, :] < (nb[:, None] + 1) * BS)[:, :, None]  # [NB, BT, 1]
-        for c0 in tl.static_range(0, K, BK):
-            bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt,
-                                    s_kh, s_gt, s_gh, K, BK, GATE, HAS_BIAS)
-            g3 = tl.reshape(bg, [NB, BS, BK])
-            tot = tl.sum(g3, 1)
-            G3 = tl.cumsum(g3, 1) + (tl.cumsum(tot, 0) - tot)[:, None, :]
-            G = tl.reshape(G3, [BT, BK])
-            P = tl.sum(tl.where(j3[None, :, None] == BS // 2 - 1, G3, 0.0), 1)  # [NB, BK]
-            eR = tl.exp(G3 - P[:, None, :])
-            R3 = tl.reshape(bk, [NB, BS, BK]) * eR
-            Q3 = tl.reshape(bq, [NB, BS, BK]) * (eR * scale)
-            ex = tl.where(colok, P[:, None, :] - G[None, :, :], 0.0)
-            C3t = tl.permute(tl.where(colok, bk[None, :, :] * tl.exp(ex), 0.0), (0, 2, 1))  # [NB, BK, BT]
-            A3 = tl.dot(R3, C3t, A3, input_precision=PREC)
-            Aq3 = tl.dot(Q3, C3t, Aq3, input_precision=PREC)
-        A = tl.where(causal, tl.reshape(A3, [BT, BT]), 0.0)
-        Aq = tl.where(causal_d, tl.reshape(Aq3, [BT, BT]), 0.0)
+        js = tl.arange(0, BS)
+        A = tl.zeros([BT, BT], tl.float32)
+        Aq = tl.zeros([BT, BT], tl.float32)
+        for c0 in tl.range(0, K, BK):
+            bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
+                                    s_gh, K, BK, GATE, HAS_BIAS)
+            sq += tl.sum(bq * bq, 1)
+            sk += tl.sum(bk * bk, 1)
+            G = tl.cumsum(bg, 0)
+            M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
+            after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
+            er = tl.exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")))  # [BT, NB, BK]
+            inblk = (r // BS)[None, :, None] == nb[:, None, None]  # [NB, BT, 1]
+            ec = tl.where(inblk, bk[None, :, :] * tl.exp(tl.where(inblk, M[:, None, :] - G[None, :, :], 0.0)), 0.0)
+            ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
+            A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
+            Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
+        if L2:
+            rq = 1.0 / tl.sqrt(sq + 1e-6)
+            rk = 1.0 / tl.sqrt(sk + 1e-6)
+        else:
+            rq = tl.full([BT], 1.0, tl.float32)
+            rk = tl.full([BT], 1.0, tl.float32)
+        A = tl.where(causal, A, 0.0) * (rk * bb)[:, None] * rk[None, :]
+        Aq = tl.where(causal_d, Aq, 0.0) * (rq * scale)[:, None] * rk[None, :]
     else:
+        rq = tl.full([BT], 1.0, tl.float32)
+        rk = tl.full([BT], 1.0, tl.float32)
+        if L2:  # row norms first (a pass over the key channels)
+            for c0 in tl.static_range(0, K, BK):
+                dk = c0 + tl.arange(0, BK)
+                x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0)
+                y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0)
+                sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+                sk += tl.sum(y.to(tl.float32) * y.to(tl.float32), 1)
+            rq = 1.0 / tl.sqrt(sq + 1e-6)
+            rk = 1.0 / tl.sqrt(sk + 1e-6)
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
         # one exponent per (i, j, d): walk the key channels, recomputing each gate column from memory
@@ -141,55 +146,39 @@ def _kda_intra(
             E = tl.exp(tl.where(causal_d, Gc[:, None] - Gc[None, :], float("-inf")))
             A += tl.where(causal, kc[:, None] * kc[None, :] * E, 0.0)
             Aq += qc[:, None] * kc[None, :] * E
+        A = A * bb[:, None]
     tl.store(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], Aq.to(aqk.dtype.element_ty), mask=rm[:, None])
-    A = A * bb[:, None]
 
+    # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular (A^BT = 0)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
-    if INV == 1:
-        # blocked: D = the BS×BS diagonal blocks of A, L = the rest; (I + A)⁻¹ = (I + X)⁻¹ Dinv with
-        # Dinv = (I + D)⁻¹ (Neumann doubling per block, D^BS = 0) and X = Dinv L, X^NB = 0 (NB = 4 blocks)
-        bi = tl.arange(0, NB)
-        same4 = bi[:, None, None, None] == bi[None, None, :, None]  # [NB, 1, NB, 1]
-        D3 = tl.sum(tl.where(same4, tl.reshape(A, [NB, BS, NB, BS]), 0.0), 2)  # [NB, BS, BS]
-        jj = tl.arange(0, BS)
-        e3 = tl.broadcast_to((jj[:, None] == jj[None, :]).to(tl.float32)[None, :, :], [NB, BS, BS])
-        Ti = e3 - D3
-        Pw3 = D3
-        for _ in tl.static_range(NSQB):
-            Pw3 = tl.dot(Pw3, Pw3, input_precision=PREC)
-            Ti = tl.dot(Ti, e3 + Pw3, input_precision=PREC)
-        Dinv = tl.reshape(tl.where(same4, tl.broadcast_to(Ti[:, :, None, :], [NB, BS, NB, BS]), 0.0), [BT, BT])
-        L = tl.where((r[:, None] // BS) == (r[None, :] // BS), 0.0, A)
-        X = tl.dot(Dinv, L, input_precision=PREC)
-        X2 = tl.dot(X, X, input_precision=PREC)
-        Y = tl.dot(eye - X, eye + X2, input_precision=PREC)  # (I + X)⁻¹ for NB = 4
-        Tm = tl.dot(Y, Dinv, input_precision=PREC)
-    else:
-        # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular (A^BT = 0)
-        Tm = eye - A
-        Pw = A
-        for _ in tl.static_range(NSQ):
-            Pw = tl.dot(Pw, Pw, input_precision=PREC)
-            Tm = tl.dot(Tm, eye + Pw, input_precision=PREC)
+    Tm = eye - A
+    Pw = A
+    for _ in tl.static_range(NSQ):
+        Pw = tl.dot(Pw, Pw, input_precision=PREC)
+        Tm = tl.dot(Tm, eye + Pw, input_precision=PREC)
 
-    Tb = Tm * bb[None, :]  # T diag(β)
-    for c0 in tl.static_range(0, K, BK):
-        bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, rq, rk, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh,
-                                s_gt, s_gh, K, BK, GATE, HAS_BIAS)
+    # W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V: operands in the input dtype (tensor cores for 16-bit inputs)
+    dt = w.dtype.element_ty
+    Tb = (Tm * bb[None, :]).to(dt)
+    for c0 in tl.static_range(0, K, BKW):
+        bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
+                                s_gh, K, BKW, GATE, HAS_BIAS)
+        bq = bq * rq[:, None]
+        bk = bk * rk[:, None]
         G = tl.cumsum(bg, 0)
         Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
         eG = tl.exp(G)
-        dk = c0 + tl.arange(0, BK)
+        dk = c0 + tl.arange(0, BKW)
         ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
-        tl.store(w + ot, tl.dot(Tb, bk * eG, input_precision=PREC).to(w.dtype.element_ty), mask=rm[:, None])
-        tl.store(qg + ot, (bq * eG * scale).to(qg.dtype.element_ty), mask=rm[:, None])
-        tl.store(kg + ot, (bk * tl.exp(Glast[None, :] - G)).to(kg.dtype.element_ty), mask=rm[:, None])
+        tl.store(w + ot, tl.dot(Tb, (bk * eG).to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
+        tl.store(qg + ot, (bq * eG * scale).to(dt), mask=rm[:, None])
+        tl.store(kg + ot, (bk * tl.exp(Glast[None, :] - G)).to(dt), mask=rm[:, None])
         tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
-    for c0 in tl.static_range(0, V, BK):
-        dv = c0 + tl.arange(0, BK)
-        bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    for c0 in tl.static_range(0, V, BKW):
+        dv = c0 + tl.arange(0, BKW)
+        bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0)
         tl.store(u + tok[:, None] * (H * V) + hh * V + dv[None, :],
-                 tl.dot(Tb, bv, input_precision=PREC).to(u.dtype.element_ty), mask=rm[:, None])
+                 tl.dot(Tb, bv.to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
 
 
 @triton.jit
@@ -297,10 +286,11 @@ def _kda_decode(
 
 
 def prefill_config(K, V, n_seqs, heads):
-    """Launch parameters: (intra warps, intra stages, state block of V, state warps, state stages)."""
+    """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the intra kernel's warps, pipeline stages, key
+    channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(intra_warps=8, intra_stages=1, BK=32, BV=min(bv, V), state_warps=4, state_stages=3, PREC="tf32",
-                SAFE=1, INV=0)
+    return dict(intra_warps=8, intra_stages=2, BK=32, BKW=64, BV=min(bv, V), state_warps=4, state_stages=3,
+                PREC="tf32", SAFE=1)
 
 
 def decode_config(K, V, n, heads):
@@ -372,8 +362,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
             H=H, K=K, V=V, BT=BT, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
-            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2,
-            INV=cfg["INV"], NSQB=BS.bit_length() - 2, num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"])
+            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2, BKW=min(cfg["BKW"], K, V),
+            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"])
     if TUNE.get("skip_state"):
         return o
     BV = cfg["BV"]
