@@ -98,8 +98,9 @@ def _kda_intra(
         for c0 in tl.range(0, K, BK):
             bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
                                     s_gh, K, BK, GATE, HAS_BIAS)
-            sq += tl.sum(bq * bq, 1)
-            sk += tl.sum(bk * bk, 1)
+            if L2:
+                sq += tl.sum(bq * bq, 1)
+                sk += tl.sum(bk * bk, 1)
             G = tl.cumsum(bg, 0)
             M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
             after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
@@ -125,8 +126,10 @@ def _kda_intra(
                 dk = c0 + tl.arange(0, BK)
                 x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0)
                 y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0)
-                sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-                sk += tl.sum(y.to(tl.float32) * y.to(tl.float32), 1)
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+                sq += tl.sum(x * x, 1)
+                sk += tl.sum(y * y, 1)
             rq = 1.0 / tl.sqrt(sq + 1e-6)
             rk = 1.0 / tl.sqrt(sk + 1e-6)
         A = tl.zeros([BT, BT], tl.float32)
