@@ -184,3 +184,22 @@ def test_cpu_reference_path(monkeypatch):
     o, S = kda_prefill(q, k, v, f, b, output_final_state=True, **kw)
     ro, rS = ref_run(q, k, v, f, b, kw)
     assert rel(o, ro) < 1e-6 and rel(S, rS) < 1e-6
+
+
+@pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}])
+@pytest.mark.parametrize("l2", [True, False])
+def test_prefill_launch_configs(monkeypatch, cfg, l2):
+    """Other blocks of key channels for A (BK) and for W/U (BKW), with and without the fused L2 norm (the safe-gate
+    path applies the norms to A and Aqk as row/column scales): the same results."""
+    from lmkernels.ops.kda import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "prefill", cfg)
+    H, K, V = 2, 128, 64
+    cu = torch.tensor([0, 1, 65, 142])
+    q, k, v, f, b = inputs(1, 142, H, K, V, torch.float32)
+    if not l2:
+        q, k = R.l2norm(q), R.l2norm(k)
+    kw = dict(gate_kwargs("safe", H, K), l2norm_qk=l2, beta_sigmoid=True)
+    o, S = kda_prefill(q, k, v, f, b, cu_seqlens=cu, output_final_state=True, **kw)
+    ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu)
+    assert rel(o, ro) < TOL[torch.float32] and rel(S, rS) < TOL[torch.float32]
