@@ -58,6 +58,14 @@ def _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_
 
 
 @triton.jit
+def _inv_norm(sum_sq, L2: tl.constexpr):
+    """Row scales of the L2 norm, 1 / sqrt(|x|² + 1e-6) (ones without L2)."""
+    if L2:
+        return 1.0 / tl.sqrt(sum_sq + 1e-6)
+    return tl.full(sum_sq.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _kda_intra(
     q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, aqk, gl, chunks,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
@@ -110,17 +118,11 @@ def _kda_intra(
             ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
             A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
             Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
-        if L2:
-            rq = 1.0 / tl.sqrt(sq + 1e-6)
-            rk = 1.0 / tl.sqrt(sk + 1e-6)
-        else:
-            rq = tl.full([BT], 1.0, tl.float32)
-            rk = tl.full([BT], 1.0, tl.float32)
+        rq = _inv_norm(sq, L2)
+        rk = _inv_norm(sk, L2)
         A = tl.where(causal, A, 0.0) * (rk * bb)[:, None] * rk[None, :]
         Aq = tl.where(causal_d, Aq, 0.0) * (rq * scale)[:, None] * rk[None, :]
     else:
-        rq = tl.full([BT], 1.0, tl.float32)
-        rk = tl.full([BT], 1.0, tl.float32)
         if L2:  # row norms first (a pass over the key channels)
             for c0 in tl.static_range(0, K, BK):
                 dk = c0 + tl.arange(0, BK)
@@ -130,8 +132,8 @@ def _kda_intra(
                 y = y.to(tl.float32)
                 sq += tl.sum(x * x, 1)
                 sk += tl.sum(y * y, 1)
-            rq = 1.0 / tl.sqrt(sq + 1e-6)
-            rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rq = _inv_norm(sq, L2)
+        rk = _inv_norm(sk, L2)
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
         # one exponent per (i, j, d): walk the key channels, recomputing each gate column from memory
