@@ -104,7 +104,8 @@ def test_split_heuristic():
     assert kernels.decode_num_splits(1, 1, 1024, 132, 4) == 32  # short context: 32 splits of 32 keys
     assert kernels.decode_num_splits(1, 1, 32768, 132, 4) == 128  # the automatic cap
     assert kernels.decode_num_splits(128, 2, 8192, 132, 1) == 1
-    assert kernels.decode_num_splits(32, 1, 32768, 132, 2) == 9
+    assert kernels.decode_num_splits(32, 1, 32768, 132, 2) == 8  # one wave of 256 programs on 264 slots
+    assert kernels.decode_num_splits(32, 2, 8192, 132, 1) == 2  # 128 heads: 128 programs, not 2.4 waves
     assert kernels.decode_num_splits(1, 1, 100, 132, 2) == 3
     assert kernels.decode_num_splits(1, 1, 20, 132, 2) == 1
 
@@ -150,6 +151,27 @@ def test_decode_both_score_orders(keys_major, page_tile):
         want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
         assert (o.double() - want).norm() / want.norm() < 2e-3
         torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_decode_tma(keys_major, page):
+    """TMA tiles (descriptors over the cache as [pages · page_size, 576]) where the page size is a multiple of
+    BLOCK_N (64, 128: full tiles through the descriptors, the partial last tile of each split through masked
+    pointers), pointer tiles otherwise (16); the stale rows past each sequence's end are NaN, so a tail tile
+    read without its mask would show. Splits, two query tokens (causal inside the full tiles)."""
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup([200, 64, 1, 97], heads=16, n_new=2, page=page)
+    for b, n in enumerate(seq_lens.tolist()):  # poison every cache row past the sequence's end
+        for j in range(n, tables.shape[1] * page):
+            cache[tables[b, j // page], j % page] = float("nan")
+    for splits in (1, 3):
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=keys_major, TMA=True)
+        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 200, config=cfg)
+        want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+        fin = torch.isfinite(want_lse)
+        assert not torch.isnan(o).any()
+        assert (o.double() - want).norm() / want.norm() < 2e-3
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
 
 
 def test_decode_fake_shapes():

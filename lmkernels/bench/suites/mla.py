@@ -204,7 +204,7 @@ def decode_case(batch, ctx, heads, n_new):
                            [(qd, dense, vd)], sdpa_check, nbytes, flops))
     del dense, vd
     cfg = kernels.decode_config(heads * n_new)
-    kt = "keys-major" if cfg.get("KEYS_MAJOR") else "rows-major"
+    kt = ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" TMA" if cfg.get("TMA") else "")
     m_blocks = -(-heads * n_new // cfg["BLOCK_M"])
     splits = kernels.decode_num_splits(batch, m_blocks, ctx, kernels.sm_count(q_nope.device), cfg["PROGRAMS_PER_SM"],
                                        cfg.get("MIN_KEYS", kernels.MIN_KEYS_PER_SPLIT))

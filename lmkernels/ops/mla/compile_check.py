@@ -11,6 +11,7 @@ from . import kernels as K
 def decode(rows, cache="bf16", split=True, cfg=None):
     cfg = dict(cfg or K.decode_config(rows, cache != "bf16"))
     cfg.setdefault("KEYS_MAJOR", False)
+    cfg.setdefault("TMA", False)
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",

@@ -1,5 +1,6 @@
 """One GPU call: check the MLA kernels at real sizes (bf16 and FP8 caches, the fused write, prefill), then
-time decode launch configurations on representative shapes. `python -m lmkernels.ops.mla.gpu_tune [out.json]`.
+A/B decode launch configurations (each checked first, with NaN past the sequences' ends) on representative
+shapes, a table last. `python -m lmkernels.ops.mla.gpu_tune [out.json]`.
 A development aid (its findings are in benchmarks/NOTES.md, issue 6), not a test."""
 
 import json
@@ -104,33 +105,86 @@ def checks():
     log(f"check prefill chunked: {errs}")
 
 
-def sweep_shape(batch, ctx, heads, n_new, configs, per_sm_opts=(1, 2)):
-    q_nope, q_pe, cache, _, tables, lens = setup([ctx] * batch, heads, n_new)
-    sets = [(q_nope, q_pe, cache, tables, lens)]
-    nbytes = batch * ctx * 1152 + batch * n_new * heads * 2176
-    flops = batch * n_new * heads * ctx * 2176
-    for cfg in configs:
-        for per_sm in per_sm_opts:
-            if time.time() - T0 > 300:
-                log("time budget reached; sweep stops")
-                return
-            c = dict(cfg)
-            mb = -(-heads * n_new // c["BLOCK_M"])
-            splits = kernels.decode_num_splits(batch, mb, ctx, kernels.sm_count(q_nope.device), per_sm)
+def check_config(name, lens, heads, n_new, cfg, splits):
+    """A launch configuration on a ragged batch, page 64, cache rows past each sequence's end poisoned with NaN
+    (a TMA tile read without its mask shows), against the reference: before that configuration is timed."""
+    lens = [max(1, n // SHRINK) for n in lens]
+    q_nope, q_pe, cache, _, tables, seq_lens = setup(lens, heads, n_new)
+    pos = torch.arange(tables.shape[1] * 64, device=DEV)
+    stale = pos[None, :] >= seq_lens[:, None].long()  # [B, width · 64]
+    flat = cache.view(-1, 576)
+    rows = (tables.long()[:, pos // 64] * 64 + pos % 64)[stale]
+    flat[rows] = float("nan")
+    o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, max(lens), config=cfg)
+    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+    fin = torch.isfinite(want_lse)
+    e = rel(o, want)
+    le = float((lse[fin].double() - want_lse[fin]).abs().max()) if fin.any() else 0.0
+    ok = e < 1e-2 and le < 1e-2 and not torch.isnan(o).any()
+    OUT["checks"].append(dict(name=name, err=e, lse_err=le, ok=bool(ok)))
+    log(f"check {name}: rel err {e:.2e}, lse max abs err {le:.2e} {'ok' if ok else 'WRONG'}")
+    return ok
+
+
+def _splits(batch, heads, n_new, ctx, cand):
+    mb = -(-heads * n_new // cand["BLOCK_M"])
+    return kernels.decode_num_splits(batch, mb, ctx, kernels.sm_count(torch.device(DEV)), cand["PROGRAMS_PER_SM"],
+                                     cand.get("MIN_KEYS", kernels.MIN_KEYS_PER_SPLIT))
+
+
+def ab(name, shapes, candidates, budget_s):
+    """Each candidate (launch config + split rule) checked, then timed on every shape; input sets made once per
+    shape (rotated past L2). Prints a table of µs and GB/s / TFLOP/s per candidate and shape."""
+    good = []
+    for i, c in enumerate(candidates):
+        b, s, h, q = shapes[0]
+        try:
+            if check_config(f"{name} cand {i} {c}", [1000, 8191, 77, 4096, 129], h, q, c, 3):
+                good.append(i)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name} cand {i}: check failed {type(e).__name__} {str(e)[:200]}")
+    for shape in shapes:
+        if time.time() - T0 > budget_s:
+            log(f"{name}: time budget reached before {shape}")
+            break
+        batch, ctx, heads, n_new = shape
+        nbytes = batch * ctx * 1152 + batch * n_new * heads * 2176
+        flops = batch * n_new * heads * ctx * 2176
+        n_sets = timing.rotation_count(nbytes, timing.l2_bytes())
+        sets = []
+        for _ in range(n_sets):
+            q_nope, q_pe, cache, _, tables, lens = setup([ctx] * batch, heads, n_new)
+            sets.append((q_nope, q_pe, cache, tables, lens))
+        for i in good:
+            c = dict(candidates[i])
+            splits = _splits(batch, heads, n_new, ctx, c)
             fn = lambda qn, qp, c_, t, l: kernels.mla_decode(qn, qp, c_, None, t, l, SCALE, splits, ctx, config=c)  # noqa
             try:
                 ms = timing.time_ms(fn, sets)
             except Exception as e:  # noqa: BLE001
-                log(f"  {batch}x{ctx} H{heads} Q{n_new} {cfg} per_sm {per_sm}: {type(e).__name__} {str(e)[:80]}")
+                log(f"  {name} cand {i} {shape}: {type(e).__name__} {str(e)[:120]}")
                 continue
-            r = dict(batch=batch, ctx=ctx, heads=heads, q=n_new, cfg=cfg, per_sm=per_sm, splits=splits, ms=ms,
+            r = dict(ab=name, cand=i, cfg=c, batch=batch, ctx=ctx, heads=heads, q=n_new, splits=splits, us=ms * 1e3,
                      gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9)
             OUT["sweep"].append(r)
-            log(f"  B={batch} ctx={ctx} H={heads} Q={n_new} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} "
-                f"s{cfg['num_stages']} per_sm {per_sm} splits {splits}: {ms * 1e3:.1f} us {r['gbps']:.0f} GB/s "
-                f"{r['tflops']:.1f} TFLOP/s")
-            if per_sm_opts and splits == 1:
-                break
+            log(f"  {name} c{i} B={batch} ctx={ctx} H={heads} Q={n_new} splits {splits}: {ms * 1e3:.1f} us "
+                f"{r['gbps']:.0f} GB/s {r['tflops']:.1f} TFLOP/s")
+        del sets
+        torch.cuda.empty_cache()
+
+
+def table():
+    for name in dict.fromkeys(r["ab"] for r in OUT["sweep"]):
+        rows = [r for r in OUT["sweep"] if r["ab"] == name]
+        shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["heads"], r["q"]) for r in rows))
+        print(f"== {name}: us (GB/s | TFLOP/s) per shape", flush=True)
+        for i in sorted({r["cand"] for r in rows}):
+            cells = []
+            for sh in shapes:
+                r = next((r for r in rows if r["cand"] == i and (r["batch"], r["ctx"], r["heads"], r["q"]) == sh), None)
+                unit = f"{r['tflops']:.0f}T" if r and sh[2] * sh[3] >= 128 else (f"{r['gbps']:.0f}" if r else "")
+                cells.append(f"{r['us']:.1f}us {unit} s{r['splits']}" if r else "-")
+            print(f"c{i}: " + " | ".join(f"{sh[0]}x{sh[1]}: {c}" for sh, c in zip(shapes, cells)), flush=True)
 
 
 def main():
@@ -140,17 +194,24 @@ def main():
     checks()
     if DEV != "cuda":
         return
-    small = [dict(BLOCK_M=16, BLOCK_N=bn, num_warps=w, num_stages=s)
-             for bn, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (16, 4, 4), (64, 8, 2), (32, 8, 3))]
-    big = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-           for bm, bn, w, s in ((64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 1), (32, 32, 4, 2), (64, 32, 4, 2))]
-    sweep_shape(32, 8192, 16, 1, small, (1, 2, 4))
-    sweep_shape(128, 8192, 16, 1, small[:3], (1,))
-    sweep_shape(32, 8192, 128, 1, big, (1, 2))
-    sweep_shape(128, 1024, 128, 1, big[:3], (1,))
-    sweep_shape(1, 32768, 16, 1, small[:3], (1, 2, 4))
+    d16, d32, d64 = (kernels.decode_config(r) for r in (16, 32, 64))
+    ab("16 rows", [(32, 8192, 16, 1), (128, 8192, 16, 1), (32, 1024, 16, 1), (32, 32768, 16, 1)], [
+        d16,                                            # c0: the default (pointer tiles, 2 per SM, one wave)
+        dict(d16, PROGRAMS_PER_SM=1),                   # c1: half the splits
+        dict(d16, MIN_KEYS=128),                        # c2: 128-key split floor (B=32 1k: 8 splits)
+        dict(d16, num_stages=4, TMA=True, PROGRAMS_PER_SM=1),  # c3: TMA, 3 buffers, 1 per SM
+    ], 60)
+    ab("32 rows", [(32, 8192, 16, 2), (128, 8192, 16, 2)], [
+        d32,                                            # c0: the default (TMA, 3 stages)
+        dict(d32, TMA=False, num_stages=2),             # c1: pointer tiles, the old stages, same split rule
+    ], 80)
+    ab("128 rows", [(32, 8192, 128, 1)], [
+        d64,                                            # c0: the default (TMA 64×64)
+        dict(d64, TMA=False),                           # c1: pointer tiles (run-to-run check of call 1)
+    ], 95)
     with open(path, "w") as f:
         json.dump(OUT, f, indent=1)
+    table()
     log("done")
 
 

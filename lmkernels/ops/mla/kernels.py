@@ -10,6 +10,9 @@ BLOCK_M rows (row r = new token r // H, head r % H: all heads of a sequence and 
 dimension of every dot) of one sequence and one split of its key range. Per BLOCK_N-key tile it gathers
 the rows through the block table once, as two tiles: c_kv [BLOCK_N, 512] and k_pe [BLOCK_N, 64];
 scores = q_lat · c_kvᵀ + q_pe · k_peᵀ (two dots), then o += p · c_kv (the same c_kv tile is the value).
+Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the cache is 16-bit, full tiles can
+come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
+tile of a split through masked pointer loads.
 Online softmax in base 2, fp32 accumulators. With several splits each program writes an fp32 partial
 (o, lse) and a second kernel merges them by their log-sum-exp. Split boundaries: fixed chunks (from the
 caller's bound on the context) of the length read on the device, so the launch depends only on shapes
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..._utils import interpreting, sm_count
-from ..attention.kernels import _round_to_e4m3  # exact e4m3 rounding (also under the interpreter)
+from ..attention.kernels import _ensure_allocator, _round_to_e4m3  # descriptor scratch; exact e4m3 rounding
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -130,68 +133,62 @@ def _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE: tl.constexpr):
 
 
 @triton.jit
-def _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
-              stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-              FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr):
-    kn = n0 + offs_n
-    valid = kn < end
-    page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
-    rows = c_ptr + page * stride_cp + slot * stride_cr
-    if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
-        srow = s_ptr + page * stride_sp + slot * stride_sr
-        sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
-        spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
-        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
-        kc = tl.where(valid[:, None], kc * sc, 0.0).to(q_lat.dtype)
-        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
-        kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(q_lat.dtype)
-    else:
-        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
-        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
-    qk = tl.dot(q_lat, tl.trans(kc))
-    qk = tl.dot(q_pe, tl.trans(kp), qk)
-    s = qk * qk_scale
-    s = tl.where(valid[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
-    return acc, l_i, m_new
+def _page_row(bt_row, n0, full, page_size):
+    """Row of key n0 in the cache viewed as [pages · page_size, 576] (0 from n0 = full on: nothing loaded)."""
+    return tl.load(bt_row + n0 // page_size, mask=n0 < full, other=0).to(tl.int32) * page_size + n0 % page_size
 
 
 @triton.jit
-def _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos, page_size, stride_cp, stride_cr,
-                 stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                 FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr):
-    """_mla_tile with the scores computed keys-major: sᵀ = c_kv · q_latᵀ + k_pe · q_peᵀ [BLOCK_N, BLOCK_M], so
-    the c_kv tile is a dot operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): no
-    transposed copy of the 512-wide tile. m_i, l_i are per row of the output (axis 1 of sᵀ)."""
+def _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos, page_size, stride_cp,
+              stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+              FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+              TMA: tl.constexpr):
+    """One BLOCK_N-key tile of the online softmax. qa, qb: q_lat [BLOCK_M, 512] and q_pe [BLOCK_M, 64], or
+    their transposes with KEYS_MAJOR. TMA: a full tile (n0 + BLOCK_N ≤ end) inside one page, loaded through the
+    descriptors over the cache viewed as [pages · page_size, 576] from its row row0 (the caller loads it one tile
+    ahead, so that the descriptor loads depend on no load of their own iteration): no masks, no per-row addresses.
+    KEYS_MAJOR: scores as sᵀ = c_kv · q_latᵀ + k_pe · q_peᵀ [BLOCK_N, BLOCK_M], so the c_kv tile is a dot
+    operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): with mma.sync tiles the other
+    order copies the 512-wide tile transposed through registers. m_i, l_i are per row of the output."""
     kn = n0 + offs_n
     valid = kn < end
-    page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
-    rows = c_ptr + page * stride_cp + slot * stride_cr
-    if FP8:
-        srow = s_ptr + page * stride_sp + slot * stride_sr
-        sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
-        spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
-        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
-        kc = tl.where(valid[:, None], kc * sc, 0.0).to(q_latT.dtype)
-        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
-        kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(q_latT.dtype)
+    if TMA:
+        kc = c_desc.load([row0, 0])
+        kp = p_desc.load([row0, KV_LORA])
     else:
-        kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
-        kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
-    st = tl.dot(kc, q_latT)
-    st = tl.dot(kp, q_peT, st) * qk_scale  # [BLOCK_N, BLOCK_M]
-    st = tl.where(valid[:, None] & (kn[:, None] <= pos[None, :]), st, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(st, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pt = tl.exp2(st - m_use[None, :])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(pt, 0)
-    acc = tl.dot(tl.trans(pt.to(kc.dtype)), kc, acc * alpha[:, None])
+        page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
+        rows = c_ptr + page * stride_cp + slot * stride_cr
+        if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
+            srow = s_ptr + page * stride_sp + slot * stride_sr
+            sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
+            spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
+            kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
+            kc = tl.where(valid[:, None], kc * sc, 0.0).to(qa.dtype)
+            kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
+            kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(qa.dtype)
+        else:
+            kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+            kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
+    if KEYS_MAJOR:
+        st = tl.dot(kc, qa)
+        st = tl.dot(kp, qb, st) * qk_scale  # [BLOCK_N, BLOCK_M]
+        st = tl.where(valid[:, None] & (kn[:, None] <= pos[None, :]), st, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pt = tl.exp2(st - m_use[None, :])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(pt, 0)
+        acc = tl.dot(tl.trans(pt.to(kc.dtype)), kc, acc * alpha[:, None])
+    else:
+        s = tl.dot(qa, tl.trans(kc))
+        s = tl.dot(qb, tl.trans(kp), s) * qk_scale
+        s = tl.where(valid[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -201,12 +198,13 @@ def _mla_decode_kernel(
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
-    n_new, heads, page_size, qk_scale, chunk_min, num_splits,
+    n_new, heads, page_size, n_rows, qk_scale, chunk_min, num_splits,
     SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
-    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the fp32 partials [.., split, ..]."""
+    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the fp32 partials [.., split, ..].
+    n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache."""
     m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -233,32 +231,46 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, KV_LORA], tl.float32)
     if KEYS_MAJOR:
-        q_latT = tl.trans(q_lat)
-        q_peT = tl.trans(q_pe)
-        if INTERPRET:
+        qa, qb = tl.trans(q_lat), tl.trans(q_pe)
+    else:
+        qa, qb = q_lat, q_pe
+    if TMA:  # full tiles through the descriptors, then the partial last tile (if any) with masked pointer loads
+        c_desc = tl.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, KV_LORA])
+        p_desc = tl.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, ROPE])
+        full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        row0 = _page_row(bt_row, start, full, page_size)
+        if INTERPRET:  # the interpreter cannot take tensor range() bounds
             n0 = start
-            while n0 < end:
-                acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
-                                             page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                             offs_c, offs_p, FP8, KV_LORA, PAGE_TILE)
+            while n0 < full:
+                row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
+                acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
+                                          pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
+                                          offs_c, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True)
+                row0 = row_next
                 n0 += BLOCK_N
         else:
-            for n0 in range(start, end, BLOCK_N):
-                acc, l_i, m_i = _mla_tile_kt(acc, l_i, m_i, q_latT, q_peT, bt_row, c_ptr, s_ptr, n0, end, pos,
-                                             page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                             offs_c, offs_p, FP8, KV_LORA, PAGE_TILE)
-    elif INTERPRET:  # the interpreter cannot take tensor range() bounds
+            for n0 in range(start, full, BLOCK_N):
+                row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
+                acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
+                                          pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
+                                          offs_c, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True)
+                row0 = row_next
+        if full < end:
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, 0, full, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+    elif INTERPRET:
         n0 = start
         while n0 < end:
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
                                       stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA, PAGE_TILE)
+                                      FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_lat, q_pe, bt_row, c_ptr, s_ptr, n0, end, pos, page_size,
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
                                       stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA, PAGE_TILE)
+                                      FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -335,37 +347,43 @@ def decode_config(rows: int, fp8: bool = False):
     """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
     BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
     scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
-    mma.sync tiles the other order copies the 512-wide tile transposed through registers), and the programs per
-    SM the split heuristic aims for. The page-table load takes a pipeline stage, so with per-key gathers 5
-    stages give the c_kv tile two buffers (with PAGE_TILE, 2 stages do at 64 rows).
-    Chosen by the A/B in the H100 run of 2026-11-23 (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
-    16 rows (16 heads, one token): 16×32 keys-major, 4 warps, 5 stages, ~4 programs per SM;
-    32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 2 stages;
+    mma.sync tiles the other order copies the 512-wide tile transposed through registers), TMA tile loads
+    (where the page size is a multiple of BLOCK_N and the cache 16-bit; pointer tiles otherwise), and the
+    programs that fit on one SM (registers, shared memory: the split heuristic fills whole waves of them).
+    The page-table load takes a pipeline stage, so with pointer tiles 5 stages give the c_kv tile two buffers
+    at 16 rows (2 stages at 64 rows with PAGE_TILE); TMA tiles get num_stages − 1 buffers.
+    Chosen by the A/Bs in the H100 runs of 2026-11-23 (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
+    16 rows (16 heads, one token): 16×32 keys-major, 4 warps, 5 stages, pointer tiles (TMA: −1 to −5%),
+    249 registers: 2 programs per SM;
+    32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
-    rows-major wgmma tiles, 8 warps, 2 stages (216 KB of shared memory, one program per SM).
-    FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again."""
+    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM).
+    FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
+    (168–190 KB: 1 per SM)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=1)
-        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
     if block_m >= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=2)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1)
     if block_m == 32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=4)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
                       min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
-    """Splits of the key range so that batch × m_blocks × splits programs fill the GPU about once
-    (num_sms × programs per SM), each split keeping ≥ min_keys keys, at most AUTO_MAX_SPLITS. Where that
-    leaves fewer programs than half the SMs (small batches), splits shrink to ~SMALL_MIN_KEYS keys, and
-    short contexts get SHORT_SPLITS splits of ≥ 32 keys. Shapes only (CUDA graphs). From the H100 A/Bs
-    (benchmarks/NOTES.md, issue 6): B=1, 16 heads: 32 splits at 1k, 64 at 8k, 128 at 32k; B=32 at 1k
-    wants 4 splits of 256 keys (17 splits: −40%)."""
+    """Splits of the key range so that batch × m_blocks × splits programs fill the GPU once (num_sms × per_sm
+    programs that fit at a time), rounded down so that no second, nearly empty wave follows, each split keeping
+    ≥ min_keys keys, at most AUTO_MAX_SPLITS. Where that leaves fewer programs than half the SMs (small
+    batches), splits shrink to ~SMALL_MIN_KEYS keys, and short contexts get SHORT_SPLITS splits of ≥ 32 keys.
+    Shapes only (CUDA graphs). From the H100 A/Bs (benchmarks/NOTES.md, issue 6): B=1, 16 heads: 32 splits at
+    1k, 64 at 8k, 128 at 32k; B=32 at 1k wants 4 splits of 256 keys (17 splits: −40%); rounding down instead
+    of up (B=32 8k, 16 heads: 8 splits = 256 programs on 264 slots, not 17 = 2.06 waves) +9–15% at 16 heads,
+    +21–37% at 128 heads."""
     programs = max(1, batch * m_blocks)
-    fill = triton.cdiv(num_sms * per_sm, programs)
+    fill = (num_sms * per_sm) // programs
     fit = max(1, max_context // min_keys)
     if programs * fit < num_sms // 2:
         fit = max(fit, max_context // SMALL_MIN_KEYS, min(SHORT_SPLITS, max_context // 32))
@@ -389,6 +407,9 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     fp8 = cache_scales is not None
     cfg = dict(config or decode_config(n_new * heads, fp8))
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
+    cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
+    if cfg["TMA"] and cache.is_cuda:
+        _ensure_allocator()
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
@@ -405,7 +426,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
-        *os_, *ls, n_new, heads, cache.shape[1], scale * LOG2E, chunk_min, num_splits,
+        *os_, *ls, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, chunk_min, num_splits,
         SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
     )
     if num_splits > 1:
