@@ -64,9 +64,11 @@ def test_decode_many_splits(monkeypatch, sms):
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
 
 
-def test_decode_128_heads():
-    """128 heads: two 64-row blocks per sequence; tiny context."""
-    _check(*_setup([40, 19], heads=128, n_new=1, page=16), num_splits=2)
+@pytest.mark.parametrize("page", [16, 64])
+def test_decode_128_heads(page):
+    """128 heads: two 64-row blocks per sequence; page 64 takes the default TMA tiles (a full 64-key tile and a
+    partial one), page 16 the pointer tiles."""
+    _check(*_setup([100, 19], heads=128, n_new=1, page=page), num_splits=2)
 
 
 def test_decode_rows_not_multiple_of_block():
