@@ -114,7 +114,8 @@ def _kda_intra(
             after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
             er = tl.exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")))  # [BT, NB, BK]
             inblk = (r // BS)[None, :, None] == nb[:, None, None]  # [NB, BT, 1]
-            ec = tl.where(inblk, bk[None, :, :] * tl.exp(tl.where(inblk, M[:, None, :] - G[None, :, :], 0.0)), 0.0)
+            Mown = tl.reshape(tl.broadcast_to(M[:, None, :], [NB, BS, BK]), [BT, BK])  # each row's own reference
+            ec = tl.where(inblk, (bk * tl.exp(Mown - G))[None, :, :], 0.0)
             ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
             A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
             Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
