@@ -49,3 +49,9 @@ def test_kda_suite_dry_run(dry_run):
     assert decode["bytes"] == 2 * 3 * 2 * 64 * 64 * 4 + (4 * 3 * 2 * 64 + 3 * 2) * 2
     md = report.render_markdown([{**result, "gpu": "dry", "versions": {}}])
     assert "kda_prefill" in md and "kda_decode" in md
+
+
+def test_accuracy_check_no_worse():
+    assert suite.no_worse(1.6548353407e-3, [1.6548353397e-3, 2e-3])  # equal to six digits (a real H100 row)
+    assert not suite.no_worse(1.66e-3, [1.65e-3])
+    assert suite.no_worse(1.0e-3, [1.65e-3])
