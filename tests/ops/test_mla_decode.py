@@ -189,3 +189,33 @@ def test_decode_fake_shapes():
         o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32)
     assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("splits", [2, 4, 7])
+def test_decode_merge_paths(monkeypatch, fused, splits):
+    """The split merge inside the decode kernel (≤ FUSED_MAX_SPLITS splits, 16-bit partials; the last split of a
+    sequence to arrive merges, its counter is reset for the next call) and the separate merge kernel. Outputs and partials start as
+    NaN (torch.empty poisoned), cache rows past each sequence's end are NaN; ragged lengths leave some sequences
+    with fewer non-empty splits than launched (and one with none: o = 0, lse = −inf); two calls in a row."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup([130, 7, 0, 64, 33], heads=16, n_new=2, page=16)
+    for b, n in enumerate(seq_lens.tolist()):
+        for j in range(n, tables.shape[1] * 16):
+            cache[tables[b, j // 16], j % 16] = float("nan")
+    cfg = dict(kernels.decode_config(32), FUSED_MERGE=fused)
+    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+    fin = torch.isfinite(want_lse)
+    for _ in range(2):
+        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 130, config=cfg)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert (o.double() - want).norm() / want.norm() < 2e-3
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
+        assert not kernels._counters(o.device, 1).any()  # every counter back at 0

@@ -15,7 +15,9 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", qk_scale="fp32")
+                 o_ptr="*bf16" if not split or K.FUSED_MERGE else "*fp32", lse_ptr="*fp32", fo_ptr="*bf16", flse_ptr="*fp32",
+                 cnt_ptr="*i32", qk_scale="fp32")
+    cfg.setdefault("FUSED_MERGE", split and K.FUSED_MERGE)
     ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
               INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)

@@ -173,8 +173,22 @@ def ab(name, shapes, candidates, budget_s):
         torch.cuda.empty_cache()
 
 
+def merge_only(shapes):
+    """The separate merge kernel alone on ready partials (batch, rows, splits): its share of a decode call."""
+    for batch, rows, splits in shapes:
+        out = torch.randn(batch, 1, rows, splits, 512, device=DEV)
+        out_l = torch.randn(batch, 1, rows, splits, device=DEV)
+        lens = torch.full((batch,), 8192, dtype=torch.int32, device=DEV)
+        o = torch.empty(batch, 1, rows, 512, dtype=torch.bfloat16, device=DEV)
+        lse = torch.empty(batch, 1, rows, device=DEV)
+        chunk = kernels.decode_chunk(8192, splits, 32)
+        ms = timing.time_ms(lambda: kernels.merge_partials(out, out_l, lens, o, lse, chunk, 32))
+        OUT["sweep"].append(dict(ab="merge only", batch=batch, rows=rows, splits=splits, us=ms * 1e3))
+        log(f"  merge kernel alone B={batch} rows {rows} splits {splits}: {ms * 1e3:.1f} us")
+
+
 def table():
-    for name in dict.fromkeys(r["ab"] for r in OUT["sweep"]):
+    for name in dict.fromkeys(r["ab"] for r in OUT["sweep"] if r["ab"] != "merge only"):
         rows = [r for r in OUT["sweep"] if r["ab"] == name]
         shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["heads"], r["q"]) for r in rows))
         print(f"== {name}: us (GB/s | TFLOP/s) per shape", flush=True)
@@ -195,20 +209,12 @@ def main():
     if DEV != "cuda":
         return
     d16, d32, d64 = (kernels.decode_config(r) for r in (16, 32, 64))
-    ab("16 rows", [(32, 8192, 16, 1), (128, 8192, 16, 1), (32, 1024, 16, 1), (32, 32768, 16, 1)], [
-        d16,                                            # c0: the default (pointer tiles, 2 per SM, one wave)
-        dict(d16, PROGRAMS_PER_SM=1),                   # c1: half the splits
-        dict(d16, MIN_KEYS=128),                        # c2: 128-key split floor (B=32 1k: 8 splits)
-        dict(d16, num_stages=4, TMA=True, PROGRAMS_PER_SM=1),  # c3: TMA, 3 buffers, 1 per SM
-    ], 60)
-    ab("32 rows", [(32, 8192, 16, 2), (128, 8192, 16, 2)], [
-        d32,                                            # c0: the default (TMA, 3 stages)
-        dict(d32, TMA=False, num_stages=2),             # c1: pointer tiles, the old stages, same split rule
-    ], 80)
-    ab("128 rows", [(32, 8192, 128, 1)], [
-        d64,                                            # c0: the default (TMA 64×64)
-        dict(d64, TMA=False),                           # c1: pointer tiles (run-to-run check of call 1)
-    ], 95)
+    sep = dict(FUSED_MERGE=False)  # the separate merge kernel (fp32 partials) against the default in-kernel merge
+    ab("16 rows", [(32, 8192, 16, 1), (128, 1024, 16, 1), (32, 1024, 16, 1), (128, 8192, 16, 1)],
+       [dict(d16, **sep), d16], 70)
+    ab("32 rows", [(32, 8192, 16, 2)], [dict(d32, **sep), d32], 85)
+    ab("128 rows", [(32, 1024, 128, 1), (32, 8192, 128, 1)], [dict(d64, **sep), d64], 100)
+    merge_only([(32, 16, 8), (128, 16, 2), (32, 16, 4)])
     with open(path, "w") as f:
         json.dump(OUT, f, indent=1)
     table()

@@ -13,8 +13,10 @@ scores = q_lat · c_kvᵀ + q_pe · k_peᵀ (two dots), then o += p · c_kv (the
 Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the cache is 16-bit, full tiles can
 come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
 tile of a split through masked pointer loads.
-Online softmax in base 2, fp32 accumulators. With several splits each program writes an fp32 partial
-(o, lse) and a second kernel merges them by their log-sum-exp. Split boundaries: fixed chunks (from the
+Online softmax in base 2, fp32 accumulators. With several splits each program writes a partial (o, lse)
+and they are merged by their log-sum-exp: up to FUSED_MAX_SPLITS splits inside the decode kernel (the last
+split of a sequence to finish, counted by an atomic counter per (sequence, m-block); o partials in the query
+dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks (from the
 caller's bound on the context) of the length read on the device, so the launch depends only on shapes
 (CUDA graphs capture it; no host sync). FP8 cache: tiles are dequantised (value · scale of its group) to
 the query dtype in registers before the dots.
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..._utils import interpreting, sm_count
-from ..attention.kernels import _ensure_allocator, _round_to_e4m3  # descriptor scratch; exact e4m3 rounding
+from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -194,7 +196,7 @@ def _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0,
 
 @triton.jit
 def _mla_decode_kernel(
-    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
@@ -202,17 +204,18 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
-    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the fp32 partials [.., split, ..].
-    n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache."""
+    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the partials [.., split, ..].
+    n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache.
+    FUSED_MERGE (with SPLIT): each program writes its partial and counts itself in on the (sequence, m-block)
+    counter cnt_ptr[batch · m_blocks + m_block]; the last of the n_valid splits to arrive merges them into the
+    final fo_ptr [B, Q, H, 512] / flse_ptr [B, Q, H] (contiguous) and resets the counter to 0."""
     m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
     split = tl.program_id(1)
     batch = tl.program_id(2)
     seq_len = tl.load(len_ptr + batch)
     start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
-    if SPLIT:
-        if split >= n_valid:  # the merge kernel skips these splits
-            return
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = r // heads
     head = r % heads
@@ -220,6 +223,14 @@ def _mla_decode_kernel(
     offs_c = tl.arange(0, KV_LORA)
     offs_p = tl.arange(0, ROPE)
     b64 = batch.to(tl.int64)
+    if SPLIT:
+        if split >= n_valid:  # the merge skips these splits
+            if FUSED_MERGE and split == 0:  # an empty sequence: no split arrives to merge, o = 0, lse = −inf
+                final = b64 * n_new * heads + r
+                tl.store(fo_ptr + final[:, None] * KV_LORA + offs_c[None, :],
+                         tl.zeros([BLOCK_M, KV_LORA], fo_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(flse_ptr + final, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
     q_lat = tl.load(qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
                     + offs_c[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(qp_ptr + b64 * stride_qpb + tok[:, None] * stride_qpt + head[:, None] * stride_qph
@@ -280,6 +291,55 @@ def _mla_decode_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if STORE_LSE:
         tl.store(lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
+        counter = cnt_ptr + batch * tl.num_programs(0) + m_block
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_valid - 1:  # the last split of this (sequence, m-block) to finish merges all of them
+            _merge_in_kernel(o_ptr + b64 * stride_ob + tok * stride_ot + head * stride_oh,
+                             lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh,
+                             fo_ptr, flse_ptr, b64 * n_new * heads + r, row_ok, n_valid, stride_os, stride_ls,
+                             KV_LORA, BLOCK_M, MAX_FUSED_SPLITS, 8192 // BLOCK_M, INTERPRET)
+            tl.store(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge_in_kernel(o_row, l_row, fo_ptr, flse_ptr, final, row_ok, n_valid, stride_os, stride_ls,
+                     KV_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """o = Σ_s e^(lse_s − lse) o_s over the n_valid partials of BLOCK_M rows (o_row, l_row: each row's partials,
+    split stride stride_os / stride_ls) → final rows of fo_ptr [rows, 512] / flse_ptr. All lse at once, then
+    BLOCK_D columns × one split per load ([BLOCK_M, BLOCK_D] = 8192 values: the decode loop's registers are free,
+    the tile takes 64 of them a thread at 4 warps). The loads bypass L1: other SMs wrote these."""
+    s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(l_row[:, None] + s[None, :] * stride_ls, mask=row_ok[:, None] & (s < n_valid)[None, :],
+                    other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse_s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe[:, None])
+    total = tl.sum(w, 1)
+    none = total == 0.0
+    w = w / tl.where(none, 1.0, total)[:, None]
+    tl.store(flse_ptr + final, tl.where(none, float("-inf"), m_safe + tl.log(tl.where(none, 1.0, total))), mask=row_ok)
+    for c0 in tl.static_range(0, KV_LORA, BLOCK_D):
+        d = c0 + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if INTERPRET:  # the interpreter cannot take tensor range() bounds
+            j = 0
+            while j < n_valid:
+                acc += _weighted_partial(o_row, w, s, j, d, row_ok, stride_os)
+                j += 1
+        else:
+            for j in range(0, n_valid):
+                acc += _weighted_partial(o_row, w, s, j, d, row_ok, stride_os)
+        tl.store(fo_ptr + final[:, None] * KV_LORA + d[None, :], acc.to(fo_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _weighted_partial(o_row, w, s, j, d, row_ok, stride_os):
+    w_j = tl.sum(tl.where(s[None, :] == j, w, 0.0), 1)
+    o_j = tl.load(o_row[:, None] + j * stride_os + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    return o_j.to(tl.float32) * w_j[:, None]
 
 
 @triton.jit
@@ -341,6 +401,12 @@ MAX_SPLITS = 256  # what the merge takes (an explicit num_splits)
 # merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
 # reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
 MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
+# in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more go
+# through the merge kernel. H100 A/B (scratch/mla_notes.md): 2 and 4 splits +5–6% (16 heads B=128 / B=32 at 1k),
+# 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging program's serial
+# loads of 8 partials cost as much as the merge kernel they replace
+FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
+MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -415,26 +481,36 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
         num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
+    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS
+    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
         out, out_l, os_, ls = o, lse, (*o.stride()[:3], 0), (*lse.stride(), 0)
     else:
-        out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=torch.float32, device=o.device)
+        out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=partial_dtype, device=o.device)
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
+    counters = _counters(o.device, batch * m_blocks) if fused else None
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
-        q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l,
+        q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l, o, lse, counters,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
         *os_, *ls, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, chunk_min, num_splits,
-        SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), **cfg,
+        SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(),
+        FUSED_MERGE=fused, **cfg,
     )
-    if num_splits > 1:
-        few_rows = batch * n_new * heads < 2 * sm_count(q_nope.device)
-        block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
-        _mla_merge_kernel[(batch, n_new * heads, KV_LORA // block_d)](
-            out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-            heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-            BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], INTERPRET=interpreting(), num_warps=4,
-        )
+    if num_splits > 1 and not fused:
+        merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
     return o, lse
+
+
+def merge_partials(out, out_l, seq_lens, o, lse, chunk_min, block_n):
+    """The separate merge kernel: partials out [B, Q, H, S, 512], out_l [B, Q, H, S] → o, lse."""
+    batch, n_new, heads, num_splits, _ = out.shape
+    few_rows = batch * n_new * heads < 2 * sm_count(o.device)
+    block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
+    _mla_merge_kernel[(batch, n_new * heads, KV_LORA // block_d)](
+        out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
+        heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
+        BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET=interpreting(), num_warps=4,
+    )
