@@ -295,7 +295,7 @@ def prefill_config(K, V, n_seqs, heads):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the intra kernel's warps, pipeline stages, key
     channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(intra_warps=8, intra_stages=2, BK=32, BKW=64, BV=min(bv, V), state_warps=4, state_stages=3,
+    return dict(intra_warps=8, intra_stages=2, BK=32, BKW=128, BV=min(bv, V), state_warps=4, state_stages=3,
                 PREC="tf32", SAFE=1)
 
 
