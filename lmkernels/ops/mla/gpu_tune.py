@@ -45,17 +45,23 @@ def setup(lens, heads, n_new, page=64, fp8=False, dt=torch.bfloat16):
     return q_nope, q_pe, cache, scales, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-def check_decode(name, lens, heads, n_new, page=64, fp8=False, **kw):
-    lens = [max(1, n // SHRINK) for n in lens]
-    q_nope, q_pe, cache, scales, tables, seq_lens = setup(lens, heads, n_new, page, fp8)
-    o, lse = mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, cache_scales=scales, **kw)
-    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE, scales)
+def record(name, o, lse, want, want_lse):
+    """Log and store one check (output and LSE against the reference); True when within 1e-2."""
     fin = torch.isfinite(want_lse)
     e = rel(o, want)
     le = float((lse[fin].double() - want_lse[fin]).abs().max()) if fin.any() else 0.0
     ok = e < 1e-2 and le < 1e-2 and not torch.isnan(o).any()
     OUT["checks"].append(dict(name=name, err=e, lse_err=le, ok=bool(ok)))
     log(f"check {name}: rel err {e:.2e}, lse max abs err {le:.2e} {'ok' if ok else 'WRONG'}")
+    return bool(ok)
+
+
+def check_decode(name, lens, heads, n_new, page=64, fp8=False, **kw):
+    lens = [max(1, n // SHRINK) for n in lens]
+    q_nope, q_pe, cache, scales, tables, seq_lens = setup(lens, heads, n_new, page, fp8)
+    o, lse = mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, cache_scales=scales, **kw)
+    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE, scales)
+    return record(name, o, lse, want, want_lse)
 
 
 def checks():
@@ -117,13 +123,7 @@ def check_config(name, lens, heads, n_new, cfg, splits):
     flat[rows] = float("nan")
     o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, max(lens), config=cfg)
     want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
-    fin = torch.isfinite(want_lse)
-    e = rel(o, want)
-    le = float((lse[fin].double() - want_lse[fin]).abs().max()) if fin.any() else 0.0
-    ok = e < 1e-2 and le < 1e-2 and not torch.isnan(o).any()
-    OUT["checks"].append(dict(name=name, err=e, lse_err=le, ok=bool(ok)))
-    log(f"check {name}: rel err {e:.2e}, lse max abs err {le:.2e} {'ok' if ok else 'WRONG'}")
-    return ok
+    return record(name, o, lse, want, want_lse)
 
 
 def _splits(batch, heads, n_new, ctx, cand):
