@@ -195,9 +195,10 @@ def test_decode_fake_shapes():
 @pytest.mark.parametrize("splits", [2, 4, 7])
 def test_decode_merge_paths(monkeypatch, fused, splits):
     """The split merge inside the decode kernel (≤ FUSED_MAX_SPLITS splits, 16-bit partials; the last split of a
-    sequence to arrive merges, its counter is reset for the next call) and the separate merge kernel. Outputs and partials start as
-    NaN (torch.empty poisoned), cache rows past each sequence's end are NaN; ragged lengths leave some sequences
-    with fewer non-empty splits than launched (and one with none: o = 0, lse = −inf); two calls in a row."""
+    sequence to arrive merges, its counter is reset for the next call) and the separate merge kernel. Outputs and
+    partials start as NaN (torch.empty poisoned), cache rows past each sequence's end are NaN; ragged lengths
+    leave some sequences with fewer non-empty splits than launched (and one with none: o = 0, lse = −inf); two
+    calls in a row."""
     real_empty = torch.empty
 
     def poisoned(*a, **kw):

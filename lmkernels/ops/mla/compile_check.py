@@ -15,8 +15,8 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*bf16" if not split or K.FUSED_MERGE else "*fp32", lse_ptr="*fp32", fo_ptr="*bf16", flse_ptr="*fp32",
-                 cnt_ptr="*i32", qk_scale="fp32")
+                 o_ptr="*bf16" if not split or K.FUSED_MERGE else "*fp32", lse_ptr="*fp32", fo_ptr="*bf16",
+                 flse_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
     cfg.setdefault("FUSED_MERGE", split and K.FUSED_MERGE)
     ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
               INTERPRET=False, **cfg)
@@ -43,9 +43,9 @@ def main(argv=None):
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
     mtypes = dict(part_o_ptr="*fp32", part_l_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
-    _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512,
-                                                                        BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
-                                                                        INTERPRET=False), 4, 1))
+    mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
+               INTERPRET=False)
+    _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",
                  sc_ptr="*fp32", eps="fp32")
     for cache in ("bf16", "fp8e4nv"):

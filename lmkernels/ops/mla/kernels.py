@@ -273,15 +273,15 @@ def _mla_decode_kernel(
     elif INTERPRET:
         n0 = start
         while n0 < end:
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
-                                      stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
-                                      stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
-                                      FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
