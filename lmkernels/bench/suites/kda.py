@@ -86,6 +86,7 @@ def no_worse(err, peer_errs, rel=1e-6):
     can give norms that differ in the last bits)."""
     return bool(err <= min(peer_errs) * (1 + rel))
 
+
 def _errs(ours, peers):
     parts = [f"ours {ours['err']:.2e}" if "err" in ours else "ours n/a"]
     parts += [f"{p['name']} {p['err']:.2e}" for p in peers if "err" in p]

@@ -6,7 +6,7 @@ Prefill, chunks of BT = 64 tokens that never cross a sequence boundary:
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
    W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
    e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
-   (lower_bound ≥ −10) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
+   (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
    one dot per block of BK key channels covers the four blocks (block-diagonal right operand); the L2 norms
    of q and k are applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for
    A. Other gates use one exponent per (i, j, d) (slower).
@@ -24,7 +24,10 @@ from ..._utils import interpreting
 
 BT = 64  # chunk
 BS = 16  # sub-chunk
-SAFE_MIN_LOWER_BOUND = -10.0
+# The block-reference A dots: exp(Γ_i − M_b) flushes to zero below e^-87.3 while its partner factor reaches
+# e^{8|lb|}, so a pair lost that way is below e^{-87.3 + 8|lb|} (e^-47 at −5, 1e-10 at −8, 7e-4 at −10).
+# Below this bound the exact per-element path runs.
+SAFE_MIN_LOWER_BOUND = -8.0
 
 
 @triton.jit
@@ -95,8 +98,11 @@ def _kda_intra(
     if SAFE:
         # Row block b (BS rows) takes the Γ of its middle row, M_b, as reference: the pair (i, j), j in block b,
         # gets exp(Γ_i − M_b)·exp(M_b − Γ_j); rows before block b are 0. Both factors are ≤ 1 outside the
-        # diagonal block and ≤ exp(BS/2·|lower_bound|) in it. One dot per BK block of key channels covers all
-        # four blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block diagonal in the columns).
+        # diagonal block and ≤ exp(BS/2·|lower_bound|) in it, so a row factor lost to underflow hides at most
+        # e^{-87.3 + 8|lb|} (SAFE_MIN_LOWER_BOUND; 32-row blocks, or exp(Γ_i − M_b) split through i's own block's
+        # reference, lose pairs of order one: benchmarks/NOTES.md, issue 5). One dot per BK block of key
+        # channels covers all four blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block diagonal in
+        # the columns).
         # q and k are normalised afterwards (row and column scales), so q, k and g are read once here.
         NB: tl.constexpr = BT // BS
         nb = tl.arange(0, NB)
