@@ -24,9 +24,10 @@ from ..._utils import interpreting
 
 BT = 64  # chunk
 BS = 16  # sub-chunk
-# The block-reference A dots: exp(Γ_i − M_b) flushes to zero below e^-87.3 while its partner factor reaches
-# e^{8|lb|}, so a pair lost that way is below e^{-87.3 + 8|lb|} (e^-47 at −5, 1e-10 at −8, 7e-4 at −10).
-# Below this bound the exact per-element path runs.
+# The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
+# and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
+# lost or blurred that way is below e^{-87.3 + 8|lb|} (e^-47 at −5, 1e-10 at −8, 7e-4 at −10). Below this
+# bound the exact per-element path runs.
 SAFE_MIN_LOWER_BOUND = -8.0
 
 
