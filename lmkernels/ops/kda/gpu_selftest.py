@@ -234,7 +234,7 @@ def tune():
     fla_err = rel_err(fla_prefill(*args)[0].float(), wo)
     res = {"fla": tm(fla_prefill, args), "fla_err": fla_err}
     best = None
-    for name, cfg in (("default", {}), ("bkw128", {"BKW": 128}), ("stages1", {"intra_stages": 1})):
+    for name, cfg in (("default", {}), ("bkw64", {"BKW": 64}), ("stages1", {"intra_stages": 1})):
         kernels.TUNE.clear()
         kernels.TUNE["prefill"] = cfg
         try:
