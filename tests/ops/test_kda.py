@@ -188,11 +188,11 @@ def test_cpu_reference_path(monkeypatch):
     assert rel(o, ro) < 1e-6 and rel(S, rS) < 1e-6
 
 
-@pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}])
+@pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}, {"BT": 64, "BK": 32, "BKW": 64}])
 @pytest.mark.parametrize("l2", [True, False])
 def test_prefill_launch_configs(monkeypatch, cfg, l2):
-    """Other blocks of key channels for A (BK) and for W/U (BKW), with and without the fused L2 norm (the safe-gate
-    path applies the norms to A and Aqk as row/column scales): the same results."""
+    """Other blocks of key channels for A (BK) and for W/U (BKW), 64-token chunks, with and without the fused L2
+    norm (the safe-gate path applies the norms to A and Aqk as row/column scales): the same results."""
     from lmkernels.ops.kda import kernels
 
     monkeypatch.setitem(kernels.TUNE, "prefill", cfg)

@@ -1,13 +1,13 @@
 """KDA Triton kernels: chunked prefill (two kernels) and the recurrent decode.
 
-Prefill, chunks of BT = 64 tokens that never cross a sequence boundary:
+Prefill, chunks of BT = 32 tokens (64 as an option) that never cross a sequence boundary:
 1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused gate and β sigmoid;
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
    W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
    e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
    (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
-   one dot per block of BK key channels covers the four blocks (block-diagonal right operand); the L2 norms
+   one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand); the L2 norms
    of q and k are applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for
    A. Other gates use one exponent per (i, j, d) (slower).
 2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks):
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..._utils import interpreting
 
-BT = 64  # chunk
+BT = 32  # chunk: 32 rather than 64 for occupancy (small enough for three 4-warp programs per SM; NOTES, issue 5)
 BS = 16  # sub-chunk
 # The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
 # and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
@@ -102,8 +102,8 @@ def _kda_intra(
         # diagonal block and ≤ exp(BS/2·|lower_bound|) in it, so a row factor lost to underflow hides at most
         # e^{-87.3 + 8|lb|} (SAFE_MIN_LOWER_BOUND; 32-row blocks, or exp(Γ_i − M_b) split through i's own block's
         # reference, lose pairs of order one: benchmarks/NOTES.md, issue 5). One dot per BK block of key
-        # channels covers all four blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block diagonal in
-        # the columns).
+        # channels covers all NB = BT/BS blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block
+        # diagonal in the columns).
         # q and k are normalised afterwards (row and column scales), so q, k and g are read once here.
         NB: tl.constexpr = BT // BS
         nb = tl.arange(0, NB)
@@ -222,9 +222,10 @@ def _kda_state(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    nn = tl.program_id(0)
+    # the V blocks of one (sequence, head) run side by side and share W, Qg, Kg in L2
+    iv = tl.program_id(0) % (V // BV)
+    nn = tl.program_id(0) // (V // BV)
     hh = tl.program_id(1)
-    iv = tl.program_id(2)
     bos = tl.load(cu + nn).to(tl.int64)
     eos = tl.load(cu + nn + 1).to(tl.int64)
     c0 = tl.load(chunk_off + nn)
@@ -299,11 +300,12 @@ def _kda_decode(
 
 
 def prefill_config(K, V, n_seqs, heads):
-    """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the intra kernel's warps, pipeline stages, key
-    channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
+    """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the chunk (BT); the intra kernel's warps, pipeline
+    stages, register cap (three 4-warp programs per SM; a few spilled bytes cost less than the lost occupancy),
+    key channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(intra_warps=8, intra_stages=2, BK=32, BKW=128, BV=min(bv, V), state_warps=4, state_stages=3,
-                PREC="tf32", SAFE=1)
+    return dict(BT=BT, intra_warps=4, intra_stages=2, intra_maxnreg=168, BK=16, BKW=128, BV=min(bv, V), state_warps=4,
+                state_stages=3, PREC="tf32", SAFE=1)
 
 
 def decode_config(K, V, n, heads):
@@ -313,11 +315,11 @@ def decode_config(K, V, n, heads):
     return dict(BV=min(bv, V), num_warps=4 if bv >= 32 else 2)
 
 
-def _chunk_table(cu_list):
+def _chunk_table(cu_list, bt):
     starts, offs = [], [0]
     for s, e in zip(cu_list, cu_list[1:]):
-        for c in range(s, e, BT):
-            starts.append((c, min(BT, e - c)))
+        for c in range(s, e, bt):
+            starts.append((c, min(bt, e - c)))
         offs.append(len(starts))
     return starts, offs
 
@@ -328,13 +330,13 @@ TUNE = {}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
 
-def _metadata(cu_list, dev):
+def _metadata(cu_list, dev, bt):
     """Chunk table (start token, rows) per chunk, each sequence's first chunk, offsets; cached per batch layout
     so that a CUDA-graph capture after a warm-up call copies nothing to the device."""
-    key = (tuple(cu_list), str(dev))
+    key = (tuple(cu_list), str(dev), bt)
     hit = _META.get(key)
     if hit is None:
-        starts, offs = _chunk_table(cu_list)
+        starts, offs = _chunk_table(cu_list, bt)
         hit = (torch.tensor(starts if starts else [(0, 0)], dtype=torch.int32).to(dev),
                torch.tensor(offs, dtype=torch.int32).to(dev), torch.tensor(cu_list, dtype=torch.int32).to(dev),
                len(starts))
@@ -358,33 +360,35 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     if n_seqs == 0 or (T == 0 and ht is None):
         return o
     cfg = {**prefill_config(K, V, n_seqs, H), **TUNE.get("prefill", {}), **(config or {})}
-    chunks, chunk_off, cu32, nc = _metadata(cu_list, dev)
+    bt = cfg["BT"]
+    chunks, chunk_off, cu32, nc = _metadata(cu_list, dev, bt)
     it = q.dtype
     w = torch.empty(T, H, K, device=dev, dtype=it)
     qg = torch.empty(T, H, K, device=dev, dtype=it)
     kg = torch.empty(T, H, K, device=dev, dtype=it)
     u = torch.empty(T, H, V, device=dev, dtype=it)
-    aqk = torch.empty(T, H, BT, device=dev, dtype=it)
+    aqk = torch.empty(T, H, bt, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
+    maxnreg = {"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}
     if nc:
         LAUNCHED["intra"] = _kda_intra[(nc, H)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             w, u, qg, kg, aqk, gl, chunks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
-            H=H, K=K, V=V, BT=BT, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
-            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=BT.bit_length() - 2, BKW=min(cfg["BKW"], K, V),
-            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"])
+            H=H, K=K, V=V, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
+            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2, BKW=min(cfg["BKW"], K, V),
+            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"], **maxnreg)
     if TUNE.get("skip_state"):
         return o
     BV = cfg["BV"]
-    LAUNCHED["state"] = _kda_state[(n_seqs, H, V // BV)](
+    LAUNCHED["state"] = _kda_state[(n_seqs * (V // BV), H)](
         w, u, qg, kg, aqk, gl, o, cu32, chunk_off, h0 if h0 is not None else gl, h0_idx if h0 is not None else cu32,
         ht if ht is not None else gl, ht_idx if ht is not None else cu32,
         o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
-        H=H, K=K, V=V, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
+        H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     return o
 
