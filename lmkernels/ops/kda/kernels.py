@@ -304,7 +304,7 @@ def prefill_config(K, V, n_seqs, heads):
     stages, register cap (three 4-warp programs per SM; a few spilled bytes cost less than the lost occupancy),
     key channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(BT=BT, intra_warps=4, intra_stages=2, intra_maxnreg=168, BK=16, BKW=128, BV=min(bv, V), state_warps=4,
+    return dict(BT=BT, intra_warps=4, intra_stages=3, intra_maxnreg=168, BK=16, BKW=128, BV=min(bv, V), state_warps=4,
                 state_stages=3, PREC="tf32", SAFE=1)
 
 
