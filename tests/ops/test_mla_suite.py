@@ -46,3 +46,71 @@ def test_mla_suite_dry_run(dry_run):
     assert compute["flops"] == 2 * 128 * 20 * 2176
     md = report.render_markdown([{**result, "gpu": "dry", "versions": {}}])
     assert "mla_decode" in md
+
+
+def _flex_dry(monkeypatch, fail_first):
+    """flex_fn stand-in: the first variants fail as inductor does (a wrapper whose cause is the real error), the next
+    one runs the same math eagerly (SDPA math on the dense equivalent)."""
+    calls = []
+
+    def fake_flex_fn(n_new, ctx, dev, options=None):
+        calls.append(options)
+        if len(calls) <= fail_first:
+            def broken(q, k, v):
+                try:
+                    raise ValueError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+                except ValueError as inner:
+                    raise RuntimeError("backend='inductor' raised:\nsee the cause") from inner
+            return broken
+        mask = suite._mask(n_new, ctx, "cpu")
+        return lambda q, k, v: suite.sdpa_fn("math")(q, k, v, mask)
+
+    monkeypatch.setattr(suite, "flex_fn", fake_flex_fn)
+    monkeypatch.setattr(suite, "_flex_wanted", lambda *a: True)
+    monkeypatch.setattr(suite, "QUICK", ((2, 33, 8, 2),))
+    return calls
+
+
+@pytest.mark.parametrize("fail_first", [0, 1, 3])
+def test_mla_suite_flex_peer(dry_run, monkeypatch, fail_first):
+    """The FlexAttention peer: runs and is checked like SDPA; where the default options fail, the next variant is
+    tried and the failure kept in its note (root cause, not the wrapper's first line); where every variant fails,
+    the row records "does not run: …" for it and the row itself stays ok."""
+    calls = _flex_dry(monkeypatch, fail_first)
+    result = {"suite": "mla", "ceilings": {"copy_gbps": 3000.0, "gemm_bf16_tflops": 700.0}, "rows": []}
+    suite.run(result, quick=True)
+    (row,) = result["rows"]
+    assert row["status"] == "ok", row
+    flex = [p for p in row["peers"] if p["kind"] == "flex"]
+    assert len(flex) == 1 and len(calls) == min(fail_first + 1, len(suite.FLEX_VARIANTS))
+    (flex,) = flex
+    if fail_first >= len(suite.FLEX_VARIANTS):
+        assert flex["missing"].startswith("does not run: default options: RuntimeError < ValueError: out of resource")
+        assert "gbps" not in flex
+    else:
+        assert flex["err"] < 1e-2 and flex["gbps"] > 0 and "compile_s" in flex
+        assert (fail_first == 0) == (flex["name"] == "flex(compiled)")
+        assert (fail_first == 0) == ("note" not in flex)
+        if fail_first:
+            assert "out of resource: shared memory" in flex["note"]
+
+
+def test_mla_suite_flex_budget(dry_run, monkeypatch):
+    """A spent compile budget is reported, not ignored."""
+    _flex_dry(monkeypatch, 0)
+    monkeypatch.setattr(suite, "FLEX_BUDGET_S", 0)
+    result = {"suite": "mla", "ceilings": {}, "rows": []}
+    suite.run(result, quick=True)
+    (flex,) = [p for p in result["rows"][0]["peers"] if p["kind"] == "flex"]
+    assert "budget" in flex["missing"]
+
+
+def test_root_error():
+    try:
+        try:
+            raise KeyError("deep")
+        except KeyError as inner:
+            raise RuntimeError("wrapper\nmore") from inner
+    except RuntimeError as e:
+        assert suite.root_error(e) == "RuntimeError < KeyError: 'deep'"
+    assert suite.root_error(ValueError("x" * 500)).endswith("…")

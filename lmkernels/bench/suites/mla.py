@@ -8,9 +8,27 @@ Compute-bound rows (heads × query tokens ≥ 128): unit TFLOP/s, FLOPs = B·Q·
 of the bf16 GEMM TFLOP/s measured in the same run (goal["gemm"], with pct_gemm in the row). No peer goal is
 stated (SDPA has no paged or latent decode; it reads a dense copy). Each implementation is checked before it
 is timed: ours against an fp32 reference of the same math (gathered dense) on the first input set, SDPA
-against ours' reference. FlexAttention is not run: head dims 576/512 and one compile per shape.
+against ours' reference.
+
+FlexAttention (torch.nn.attention.flex_attention under torch.compile(fullgraph=True, dynamic=False)) runs as a
+peer on the same dense equivalent as SDPA (q [B, H, Q, 576], k [B, 1, S, 576], v its first 512 columns,
+enable_gqa; a block mask "key ≤ context − Q + query" on the MTP rows), checked like SDPA. It compiles once per
+shape (dynamo reset before each, so the compile is real and no recompile limit turns it into eager), so it runs
+only on the FLEX_ROWS (the quick rows: one row of each kind), each compile attempt under FLEX_TIMEOUT_S and all
+of them under FLEX_BUDGET_S, so that the suite stays inside one 10-minute device call. Where the default kernel
+options do not compile or run, the FLEX_VARIANTS after it are tried in order (smaller key tiles, one stage; then
+the non-decoding flex kernel), each the same math; where none runs the row records "does not run: <error>" for
+the peer (the root cause of the compile error, not the wrapper's first line) and the suite goes on.
+Seen on the H100 (torch 2.11, triton 3.6, 2026-11-23): flex's decoding kernel pads the qk dim 576 to 1024 and
+compiles in 8–14 s at 16 heads; at 128 heads (one 128-row block of a 1024-wide q) it needs 336 KB (320 KB with
+32-key tiles) of shared memory and does not compile, and the non-decoding kernel (one block per query head) runs.
+Like SDPA it gets one input set (at B=1 1k its 1.2 MB stay in L2), v as a view of k's first 512 columns.
 """
 
+import contextlib
+import signal
+import threading
+import time
 import traceback
 
 import torch
@@ -33,6 +51,17 @@ QUICK = ((1, 1024, 16, 1), (32, 8192, 16, 1), (32, 8192, 128, 1), (32, 8192, 16,
 SDPA_BACKENDS = ("efficient", "cudnn", "flash", "math")
 MEM_FRACTION = 0.80  # skip a row whose tensors would exceed this share of free GPU memory
 _CEIL = {}
+FLEX_ROWS = QUICK  # FlexAttention compiles once per shape: only these rows run it
+FLEX_TIMEOUT_S = 150  # one compile attempt (SIGALRM; the attempt is reported as timed out)
+FLEX_BUDGET_S = 300  # all FlexAttention compile attempts of one suite run together
+# kernel options tried in order until one compiles and runs (None: flex's defaults); each is the same math
+FLEX_VARIANTS = (
+    (None, "default options"),
+    ({"BLOCK_N": 32, "num_stages": 1, "num_warps": 4}, "BLOCK_N 32, 1 stage, 4 warps"),
+    ({"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
+     "non-decoding kernel, 16x32 tiles, 1 stage"),
+)
+_FLEX_SPENT = [0.0]
 
 
 def _dev():
@@ -54,6 +83,90 @@ def sdpa_fn(backend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
 
     return run
+
+
+def flex_fn(n_new, ctx, dev, options=None):
+    """torch.compile(flex_attention) on the dense equivalent, [B, H, Q, D]: one KV head (enable_gqa), a block mask
+    that lets new token i see keys ≤ ctx − n_new + i when there are several (MTP), kernel options as given."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = None
+    if n_new > 1:
+        first = ctx - n_new
+        mask = create_block_mask(lambda b, h, q, k: k <= first + q, None, None, n_new, ctx, device=dev)
+    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    kw = {"kernel_options": dict(options)} if options else {}
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, scale=SCALE, enable_gqa=True, **kw)
+
+
+def root_error(e: BaseException, limit: int = 200) -> str:
+    """The innermost cause of a (compile) error in one line, with the wrapper types before it: inductor wraps
+    e.g. a triton OutOfResources in BackendCompilerFailed, whose own first line says only 'backend raised'."""
+    chain, seen = [e], {id(e)}
+    while True:
+        nxt = chain[-1].__cause__ or getattr(chain[-1], "inner_exception", None) or chain[-1].__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        chain.append(nxt)
+        seen.add(id(nxt))
+    root = short_error(chain[-1], limit)
+    wrappers = " < ".join(type(x).__name__ for x in chain[:-1])
+    text = f"{wrappers} < {root}" if wrappers else root
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Raise TimeoutError in this (main) thread after `seconds` (SIGALRM; a no-op where there is none)."""
+    if seconds is None or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise TimeoutError(f"compile or first call longer than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(int(seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def flex_peer(n_new, ctx, dev, inputs, check, nbytes, flops):
+    """The FlexAttention peer of one row: FLEX_VARIANTS in order until one compiles and runs, then checked and
+    timed; compile time in compile_s; the failures before it in note; "does not run: …" when none runs."""
+    errors = []
+    for options, desc in FLEX_VARIANTS:
+        left = FLEX_BUDGET_S - _FLEX_SPENT[0]
+        if left <= 0:
+            errors.append(f"{desc}: not tried, the run's FlexAttention compile budget ({FLEX_BUDGET_S} s) is spent")
+            break
+        torch._dynamo.reset()
+        t0 = time.time()
+        try:
+            with _deadline(min(FLEX_TIMEOUT_S, left) if dev == "cuda" else None):
+                fn = flex_fn(n_new, ctx, dev, options)
+                out = fn(*inputs)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{desc}: {root_error(e)}")
+            continue
+        finally:
+            _FLEX_SPENT[0] += time.time() - t0
+        name = "flex(compiled)" if options is None else f"flex(compiled, {desc})"
+        res = _impl(name, "flex", fn, [inputs], check, nbytes, flops, first=out)
+        res["compile_s"] = round(time.time() - t0, 1)
+        if errors:
+            res["note"] = "default options do not run: " + "; ".join(errors)
+        return res
+    return {"name": "flex(compiled)", "kind": "flex", "missing": "does not run: " + "; ".join(errors)}
+
+
+def _flex_wanted(batch, ctx, heads, n_new, dev):
+    return dev == "cuda" and (batch, ctx, heads, n_new) in FLEX_ROWS
 
 
 def _inputs(batch, ctx, heads, n_new, dt, dev):
@@ -202,6 +315,8 @@ def decode_case(batch, ctx, heads, n_new):
             continue
         peers.append(_impl(f"sdpa-{b}", "sdpa", lambda q, k, v, b=b: sdpa_fn(b)(q, k, v, mask),
                            [(qd, dense, vd)], sdpa_check, nbytes, flops))
+    if _flex_wanted(batch, ctx, heads, n_new, dev):
+        peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
     cfg = kernels.decode_config(heads * n_new)
     kt = ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" TMA" if cfg.get("TMA") else "")
@@ -249,6 +364,7 @@ def run(result: dict, quick: bool = False, save=lambda: None) -> None:
     result["goal_text"] = (f"memory-bound rows (GB/s) ≥ {COPY_GOAL:.0%} of copy; compute-bound rows (heads × query "
                            f"tokens ≥ 128, TFLOP/s) ≥ {GEMM_GOAL:.0%} of the bf16 GEMM; SDPA reads a dense copy")
     _CEIL.clear()
+    _FLEX_SPENT[0] = 0.0
     _CEIL.update(result.get("ceilings") or {})
     harness.run_rows(cases(quick), result, progress_line, "mla_decode", save)
 

@@ -46,6 +46,8 @@ def main(argv=None):
     mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
                INTERPRET=False)
     _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
+    r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))
+    _show("mla decode rows 16 with PDL (griddepcontrol)", r)
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",
                  sc_ptr="*fp32", eps="fp32")
     for cache in ("bf16", "fp8e4nv"):

@@ -18,7 +18,8 @@ and they are merged by their log-sum-exp: up to FUSED_MAX_SPLITS splits inside t
 split of a sequence to finish, counted by an atomic counter per (sequence, m-block); o partials in the query
 dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks (from the
 caller's bound on the context) of the length read on the device, so the launch depends only on shapes
-(CUDA graphs capture it; no host sync). FP8 cache: tiles are dequantised (value · scale of its group) to
+(CUDA graphs capture it; no host sync). Where no merge kernel follows (one split, or the in-kernel merge) the
+decode kernel is launched with programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to
 the query dtype in registers before the dots.
 """
 
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting, sm_count
+from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
 
 LOG2E = 1.4426950408889634
@@ -204,13 +205,18 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the partials [.., split, ..].
     n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache.
     FUSED_MERGE (with SPLIT): each program writes its partial and counts itself in on the (sequence, m-block)
     counter cnt_ptr[batch · m_blocks + m_block]; the last of the n_valid splits to arrive merges them into the
-    final fo_ptr [B, Q, H, 512] / flse_ptr [B, Q, H] (contiguous) and resets the counter to 0."""
+    final fo_ptr [B, Q, H, 512] / flse_ptr [B, Q, H] (contiguous) and resets the counter to 0.
+    USE_PDL: launched with programmatic dependent launch: waits for the kernels before it (q, the cache) before any
+    load, and lets the next kernel launch early (its CTAs take free slots and wait in turn)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -407,6 +413,10 @@ MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 # loads of 8 partials cost as much as the merge kernel they replace
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
 MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
+# programmatic dependent launch of the decode kernel where no merge kernel follows it (one split, or the fused
+# merge). H100 A/B 2026-11-23 (scratch/mla_notes.md, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%), 128 heads
+# B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
+PDL = True
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -420,7 +430,8 @@ def decode_config(rows: int, fp8: bool = False):
     at 16 rows (2 stages at 64 rows with PAGE_TILE); TMA tiles get num_stages − 1 buffers.
     Chosen by the A/Bs in the H100 runs of 2026-11-23 (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
     16 rows (16 heads, one token): 16×32 keys-major, 4 warps, 5 stages, pointer tiles (TMA: −1 to −5%),
-    249 registers: 2 programs per SM;
+    255 registers: 2 programs fit per SM, but splits are sized for 1 (half the splits: B=32 8k 8 → 4, merged
+    inside the kernel; B=128 1k 2 → 1, no merge): +1.7% / +7.7% in the session-e A/B, B=32 1k unchanged;
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
     rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM).
@@ -435,7 +446,7 @@ def decode_config(rows: int, fp8: bool = False):
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1)
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=2)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -482,6 +493,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if not num_splits:
         num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS
+    pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device)
     partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
@@ -497,7 +509,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
         *os_, *ls, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, chunk_min, num_splits,
         SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(),
-        FUSED_MERGE=fused, **cfg,
+        FUSED_MERGE=fused, USE_PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not fused:
         merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
