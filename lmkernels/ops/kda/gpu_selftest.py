@@ -192,8 +192,9 @@ def main():
             traceback.print_exc()
         dump()
     log("checks", time.time() - t0)
-    pv = [("base", {}), ("safe1", {"SAFE": 1}), ("iw4", {"intra_warps": 4}), ("is2", {"intra_stages": 2}),
-          ("bv16", {"BV": 16}), ("bv64", {"BV": 64}), ("sw8", {"state_warps": 8}), ("ss3", {"state_stages": 3}),
+    pv = [("base", {}), ("bt64", {"BT": 64, "intra_warps": 8, "BK": 32, "intra_maxnreg": None}),
+          ("iw8", {"intra_warps": 8, "intra_maxnreg": None}), ("is2", {"intra_stages": 2}),
+          ("bv16", {"BV": 16}), ("bv64", {"BV": 64}), ("sw8", {"state_warps": 8}), ("ss2", {"state_stages": 2}),
           ("ss1", {"state_stages": 1}), ("x3", {"PREC": "tf32x3"})]
     time_prefill(32, [8192], True, pv)
     dump()
@@ -234,7 +235,8 @@ def tune():
     fla_err = rel_err(fla_prefill(*args)[0].float(), wo)
     res = {"fla": tm(fla_prefill, args), "fla_err": fla_err}
     best = None
-    for name, cfg in (("default", {}), ("bkw64", {"BKW": 64}), ("stages1", {"intra_stages": 1})):
+    for name, cfg in (("default", {}), ("bkw64_r128", {"BKW": 64, "intra_maxnreg": 128}),
+                      ("stages2", {"intra_stages": 2})):
         kernels.TUNE.clear()
         kernels.TUNE["prefill"] = cfg
         try:

@@ -16,11 +16,11 @@ tile of a split through masked pointer loads.
 Online softmax in base 2, fp32 accumulators. With several splits each program writes a partial (o, lse)
 and they are merged by their log-sum-exp: up to FUSED_MAX_SPLITS splits inside the decode kernel (the last
 split of a sequence to finish, counted by an atomic counter per (sequence, m-block); o partials in the query
-dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks (from the
-caller's bound on the context) of the length read on the device, so the launch depends only on shapes
-(CUDA graphs capture it; no host sync). Where no merge kernel follows (one split, or the in-kernel merge) the
-decode kernel is launched with programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to
-the query dtype in registers before the dots.
+dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks (from the caller's bound on the
+context) of the length read on the device, so the launch depends only on shapes (CUDA graphs capture it; no host
+sync). Where no merge kernel follows (one split, or the in-kernel merge) the decode kernel is launched with
+programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
+dtype in registers before the dots.
 """
 
 import torch
