@@ -3,14 +3,15 @@
 Prefill, chunks of BT = 32 tokens (64 as an option) that never cross a sequence boundary:
 1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused gate and β sigmoid;
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
-   lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^32));
+   lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^(BT/2)));
    W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
    e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
    (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
    one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand); the L2 norms
    of q and k are applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for
    A. Other gates use one exponent per (i, j, d) (slower).
-2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks):
+2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks; the V
+   blocks of one sequence and head are launched next to each other, so W, Qg, Kg are read from DRAM once):
    Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read from
    and written to a state pool.
 Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
