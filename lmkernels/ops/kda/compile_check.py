@@ -15,8 +15,8 @@ def intra(cfg=None, gate=2, dtype="bf16", k=128, v=128):
     ce = dict(H=32, K=k, V=v, BT=cfg["BT"], BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
               SAFE=gate == 2 and bool(cfg["SAFE"]), PREC=cfg["PREC"], NSQ=cfg["BT"].bit_length() - 2,
               BKW=min(cfg["BKW"], k, v))
-    extra = {"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}
-    return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"], **extra)
+    return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"],
+                          **K.intra_compile_options(cfg))
 
 
 def state(cfg=None, dtype="bf16", k=128, v=128):

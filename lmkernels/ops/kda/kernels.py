@@ -309,6 +309,11 @@ def prefill_config(K, V, n_seqs, heads):
                 state_stages=3, PREC="tf32", SAFE=1)
 
 
+def intra_compile_options(cfg):
+    """The intra kernel's extra compile options: the register cap, where the configuration sets one."""
+    return {"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}
+
+
 def decode_config(K, V, n, heads):
     """Enough programs (sequence × head × V block) to fill the GPU: narrow V blocks for small batches."""
     pairs = n * heads  # measured on H100 (H = 32): BV 16 / 2 warps best at B = 1, BV 64 / 4 warps from B = 16
@@ -372,7 +377,6 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
-    maxnreg = {"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}
     if nc:
         LAUNCHED["intra"] = _kda_intra[(nc, H)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
@@ -381,7 +385,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
             beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
             H=H, K=K, V=V, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
             BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2, BKW=min(cfg["BKW"], K, V),
-            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"], **maxnreg)
+            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
+            **intra_compile_options(cfg))
     if TUNE.get("skip_state"):
         return o
     BV = cfg["BV"]

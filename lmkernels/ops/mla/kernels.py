@@ -407,15 +407,15 @@ MAX_SPLITS = 256  # what the merge takes (an explicit num_splits)
 # merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
 # reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
 MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
-# in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more go
-# through the merge kernel. H100 A/B (scratch/mla_notes.md): 2 and 4 splits +5–6% (16 heads B=128 / B=32 at 1k),
-# 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging program's serial
-# loads of 8 partials cost as much as the merge kernel they replace
+# in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more
+# go through the merge kernel. H100 A/B (benchmarks/NOTES.md, issue 6): 2 and 4 splits +5–6% (16 heads B=128 /
+# B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
+# program's serial loads of 8 partials cost as much as the merge kernel they replace
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
 MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # programmatic dependent launch of the decode kernel where no merge kernel follows it (one split, or the fused
-# merge). H100 A/B 2026-11-23 (scratch/mla_notes.md, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%), 128 heads
-# B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
+# merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
+# 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
 PDL = True
 
 
