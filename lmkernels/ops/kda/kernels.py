@@ -47,19 +47,34 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def _load_raw(q, k, g, tok, hh, c0, ok, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK: tl.constexpr):
+    """Columns c0 … c0 + BK of the chunk's q, k and g as stored (rows where ok is false read 0)."""
+    dk = c0 + tl.arange(0, BK)
+    bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=ok[:, None], other=0.0)
+    bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=ok[:, None], other=0.0)
+    bg = tl.load(g + tok[:, None] * s_gt + hh * s_gh + dk[None, :], mask=ok[:, None], other=0.0)
+    return bq, bk, bg
+
+
+@triton.jit
+def _gated(bq, bk, bg, hh, c0, rm, a, dt_bias, lower_bound, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+           HAS_BIAS: tl.constexpr):
+    """q and k (not normalised) in fp32 and the log decay g gated (0 on padded rows)."""
+    bg = bg.to(tl.float32)
+    if GATE > 0:
+        if HAS_BIAS:
+            bg = bg + tl.load(dt_bias + hh * K + c0 + tl.arange(0, BK)).to(tl.float32)[None, :]
+        bg = _gate(bg, a, lower_bound, GATE)
+    bg = tl.where(rm[:, None], bg, 0.0)
+    return bq.to(tl.float32), bk.to(tl.float32), bg
+
+
+@triton.jit
 def _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
                K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Columns c0 … c0 + BK of the chunk's q, k (not normalised) and log decay g (gated, 0 on padded rows)."""
-    dk = c0 + tl.arange(0, BK)
-    bq = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    bk = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    bg = tl.load(g + tok[:, None] * s_gt + hh * s_gh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    if GATE > 0:
-        if HAS_BIAS:
-            bg = bg + tl.load(dt_bias + hh * K + dk).to(tl.float32)[None, :]
-        bg = _gate(bg, a, lower_bound, GATE)
-    bg = tl.where(rm[:, None], bg, 0.0)
-    return bq, bk, bg
+    bq, bk, bg = _load_raw(q, k, g, tok, hh, c0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
+    return _gated(bq, bk, bg, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS)
 
 
 @triton.jit
@@ -105,15 +120,18 @@ def _kda_intra(
         # reference, lose pairs of order one: benchmarks/NOTES.md, issue 5). One dot per BK block of key
         # channels covers all NB = BT/BS blocks: [BT, NB·BK] (rows × (block, channel)) × [NB·BK, BT] (block
         # diagonal in the columns).
-        # q and k are normalised afterwards (row and column scales), so q, k and g are read once here.
+        # q and k are normalised afterwards (row and column scales), so q, k and g are read once here, one step
+        # ahead: their load latency hides behind the step before (−7% on H100, benchmarks/NOTES.md).
         NB: tl.constexpr = BT // BS
         nb = tl.arange(0, NB)
         js = tl.arange(0, BS)
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
+        nq, nk, ng = _load_raw(q, k, g, tok, hh, 0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
         for c0 in tl.range(0, K, BK):
-            bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
-                                    s_gh, K, BK, GATE, HAS_BIAS)
+            bq, bk, bg = _gated(nq, nk, ng, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS)
+            nq, nk, ng = _load_raw(q, k, g, tok, hh, c0 + BK, rm & (c0 + BK < K), s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
+                                   BK)
             if L2:
                 sq += tl.sum(bq * bq, 1)
                 sk += tl.sum(bk * bk, 1)
