@@ -7,6 +7,10 @@ import math
 
 MIN_ROTATION_BYTES = 256 << 20  # at least this many bytes touched over one cycle of the input sets
 MAX_SETS = 16
+# do_bench zeroes a 256 MB buffer before each timed replay, which leaves L2 full of dirty lines; the first call
+# after it pays for writing them back (~50 MB: 9 µs of a 127 µs MLA decode, benchmarks/NOTES.md). A graph of at
+# least this many calls spreads that over them, as back-to-back calls in a model would see it.
+MIN_CALLS_PER_GRAPH = 4
 DEFAULT_L2 = 50 << 20  # H100; H200 has 60 MB
 
 
@@ -43,9 +47,10 @@ def time_ms(fn, input_sets=((),), *, warmup: int = 25, rep: int = 100, info: dic
             cuda_graph: bool = True) -> float:
     """Median milliseconds of one fn(*args) on the GPU, args cycling over `input_sets`.
 
-    The calls are replayed from a CUDA graph holding one call per input set, so the figure is the GPU's
-    time, not Python's: on the H100 machine a Triton launch alone costs ~50 µs of host time, more than a
-    norm over 4096×2048 takes on the GPU, and do_bench's L2 flush does not hide it (benchmarks/NOTES.md).
+    The calls are replayed from a CUDA graph holding one call per input set (the sets repeated up to
+    MIN_CALLS_PER_GRAPH calls), so the figure is the GPU's time, not Python's: on the H100 machine a Triton
+    launch alone costs ~50 µs of host time, more than a norm over 4096×2048 takes on the GPU, and do_bench's
+    L2 flush does not hide it (benchmarks/NOTES.md).
     The sets together exceed L2, so every call still reads from HBM. A function that cannot be captured
     is timed call by call instead, as is every call with cuda_graph=False; `info["method"]` records
     which way ("cuda_graph" or "eager: why").
@@ -61,8 +66,9 @@ def time_ms(fn, input_sets=((),), *, warmup: int = 25, rep: int = 100, info: dic
     method = "eager: asked for"
     if cuda_graph:
         try:
-            graph = _capture(call, len(sets))
-            ms = float(do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")) / len(sets)
+            n_calls = max(len(sets), MIN_CALLS_PER_GRAPH)
+            graph = _capture(call, n_calls)
+            ms = float(do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")) / n_calls
             method = "cuda_graph"
         except Exception as e:  # e.g. a host sync inside fn
             torch.cuda.synchronize()
