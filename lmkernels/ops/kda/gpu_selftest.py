@@ -235,7 +235,7 @@ def tune():
     fla_err = rel_err(fla_prefill(*args)[0].float(), wo)
     res = {"fla": tm(fla_prefill, args), "fla_err": fla_err}
     best = None
-    for name, cfg in (("default", {}), ("bkw64_r128", {"BKW": 64, "intra_maxnreg": 128}),
+    for name, cfg in (("default", {}), ("bkw128_r168", {"BKW": 128, "intra_maxnreg": 168}),
                       ("stages2", {"intra_stages": 2})):
         kernels.TUNE.clear()
         kernels.TUNE["prefill"] = cfg

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..._utils import interpreting
 
-BT = 32  # chunk: 32 rather than 64 for occupancy (small enough for three 4-warp programs per SM; NOTES, issue 5)
+BT = 32  # chunk: 32 rather than 64 for occupancy (small enough for four 4-warp programs per SM; NOTES, issue 5)
 BS = 16  # sub-chunk
 # The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
 # and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
@@ -320,10 +320,11 @@ def _kda_decode(
 
 def prefill_config(K, V, n_seqs, heads):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the chunk (BT); the intra kernel's warps, pipeline
-    stages, register cap (three 4-warp programs per SM; a few spilled bytes cost less than the lost occupancy),
-    key channels per A step (BK) and per W/U step (BKW); the state kernel's block of V, warps and stages."""
+    stages, register cap (128: four 4-warp programs per SM; a few spilled bytes cost less than the lost
+    occupancy), key channels per A step (BK) and per W/U step (BKW; 64 keeps the W pass's registers near the cap);
+    the state kernel's block of V, warps and stages."""
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(BT=BT, intra_warps=4, intra_stages=3, intra_maxnreg=168, BK=16, BKW=128, BV=min(bv, V), state_warps=4,
+    return dict(BT=BT, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
                 state_stages=3, PREC="tf32", SAFE=1)
 
 
