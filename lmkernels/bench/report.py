@@ -345,7 +345,7 @@ def render_markdown(results: list, results_dir: str = "benchmarks/results") -> s
         "written (the same count for "
         "every implementation of a row, so GB/s ratios are inverse time ratios); timings are "
         "`triton.testing.do_bench` medians of CUDA-graph replays (GPU time, no Python launch cost; every "
-        "implementation alike) with inputs rotated through sets larger than L2; runs from 2026-11-23T19:20Z on put "
+        "implementation alike) with inputs rotated through sets larger than L2; runs since 2026-11-23T19:20Z put "
         "at least 4 calls in each graph, so the write-back of the dirty lines that do_bench's L2 flush leaves is "
         "spread over them instead of charged to one call (benchmarks/NOTES.md, session f). "
         f"Goal per row: ours ≥ {COPY_GOAL:.0%} of the device-to-device copy bandwidth measured in the same run, "

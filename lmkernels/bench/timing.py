@@ -8,8 +8,8 @@ import math
 MIN_ROTATION_BYTES = 256 << 20  # at least this many bytes touched over one cycle of the input sets
 MAX_SETS = 16
 # do_bench zeroes a 256 MB buffer before each timed replay, which leaves L2 full of dirty lines; the first call
-# after it pays for writing them back (~50 MB: 9 µs of a 127 µs MLA decode, benchmarks/NOTES.md). A graph of at
-# least this many calls spreads that over them, as back-to-back calls in a model would see it.
+# after it pays for writing them back (9 µs of a 127 µs MLA decode, benchmarks/NOTES.md). A graph of at least
+# this many calls spreads that over them, as back-to-back calls in a model would see it.
 MIN_CALLS_PER_GRAPH = 4
 DEFAULT_L2 = 50 << 20  # H100; H200 has 60 MB
 
