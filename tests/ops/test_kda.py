@@ -188,11 +188,12 @@ def test_cpu_reference_path(monkeypatch):
     assert rel(o, ro) < 1e-6 and rel(S, rS) < 1e-6
 
 
-@pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}, {"BT": 64, "BK": 32, "BKW": 64}])
+@pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}, {"BT": 64, "BK": 32, "BKW": 64},
+                                 {"BT": 16, "BK": 32, "BKW": 64, "BV": 64, "intra_warps": 2}])
 @pytest.mark.parametrize("l2", [True, False])
 def test_prefill_launch_configs(monkeypatch, cfg, l2):
-    """Other blocks of key channels for A (BK) and for W/U (BKW), 64-token chunks, with and without the fused L2
-    norm (the safe-gate path applies the norms to A and Aqk as row/column scales): the same results."""
+    """Other blocks of key channels for A (BK) and for W/U (BKW), 16- and 64-token chunks, with and without the
+    fused L2 norm (the safe-gate path applies the norms to A and Aqk as row/column scales): the same results."""
     from lmkernels.ops.kda import kernels
 
     monkeypatch.setitem(kernels.TUNE, "prefill", cfg)
@@ -205,3 +206,34 @@ def test_prefill_launch_configs(monkeypatch, cfg, l2):
     o, S = kda_prefill(q, k, v, f, b, cu_seqlens=cu, output_final_state=True, **kw)
     ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu)
     assert rel(o, ro) < TOL[torch.float32] and rel(S, rS) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus", "none"])
+def test_prefill_16_token_chunks(gate):
+    """Many heads over short sequences take 16-token chunks (prefill_config); every gate form, varlen with a
+    length-1 sequence and lengths not multiples of 16, initial and final states."""
+    from lmkernels.ops.kda import kernels
+
+    H, K, V = 32, 64, 64
+    lens = [37, 1, 50]
+    assert kernels.prefill_config(K, V, len(lens), H, sum(lens), max(lens))["BT"] == 16
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    q, k, v, f, b = inputs(1, sum(lens), H, K, V, torch.float32)
+    kw = dict(gate_kwargs(gate, H, K), l2norm_qk=True, beta_sigmoid=gate != "none")
+    if gate == "none":
+        f = torch.nn.functional.logsigmoid(f + 3)
+        b = torch.sigmoid(b)
+    h0 = torch.randn(3, H, K, V) * 0.1
+    o, S = kda_prefill(q, k, v, f, b, cu_seqlens=cu, initial_state=h0, output_final_state=True, **kw)
+    ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu, initial_state=h0.double())
+    assert rel(o, ro) < TOL[torch.float32] and rel(S, rS) < TOL[torch.float32]
+
+
+def test_prefill_chunk_choice():
+    """32-token chunks for one long sequence over few heads (the chain of chunk updates dominates), 16 otherwise."""
+    from lmkernels.ops.kda.kernels import prefill_config
+
+    assert prefill_config(128, 128, 1, 32, 8192, 8192)["BT"] == 16
+    assert prefill_config(128, 128, 8, 32, 8192, 1024)["BT"] == 16
+    assert prefill_config(128, 128, 1, 16, 8192, 8192)["BT"] == 32
+    assert prefill_config(128, 128, 2, 8, 65536, 32768)["BT"] == 32

@@ -134,7 +134,7 @@ def kda_prefill(
     dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, l2norm_qk: bool = False,
     beta_sigmoid: bool = False,
 ):
-    """KDA over whole sequences (chunked, BT = 32); returns (o, final_state).
+    """KDA over whole sequences (chunks of 16 or 32 tokens); returns (o, final_state).
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; K, V ∈ {64, 128}; fp16/bf16 (fp32 accepted);
     g and beta may be fp32. Packed varlen: B = 1 and cu_seqlens [N + 1] (int32/int64, start 0, non-decreasing,

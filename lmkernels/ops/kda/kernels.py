@@ -1,6 +1,7 @@
 """KDA Triton kernels: chunked prefill (two kernels) and the recurrent decode.
 
-Prefill, chunks of BT = 32 tokens (64 as an option) that never cross a sequence boundary:
+Prefill, chunks of BT = 16 or 32 tokens (64 as an option; prefill_config chooses) that never cross a sequence
+boundary:
 1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused gate and β sigmoid;
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^(BT/2)));
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from ..._utils import interpreting
 
-BT = 32  # chunk: 32 rather than 64 for occupancy (small enough for four 4-warp programs per SM; NOTES, issue 5)
+CHAIN_RATIO = 28  # 16-token chunks where tokens × heads ≥ CHAIN_RATIO × the longest sequence (prefill_config)
 BS = 16  # sub-chunk
 # The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
 # and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
@@ -318,13 +319,21 @@ def _kda_decode(
 # launchers
 
 
-def prefill_config(K, V, n_seqs, heads):
+def prefill_config(K, V, n_seqs, heads, tokens, max_len):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the chunk (BT); the intra kernel's warps, pipeline
-    stages, register cap (128: four 4-warp programs per SM; a few spilled bytes cost less than the lost
-    occupancy), key channels per A step (BK) and per W/U step (BKW; 64 keeps the W pass's registers near the cap);
-    the state kernel's block of V, warps and stages."""
+    stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state kernel's block of V,
+    warps and stages.
+    16-token chunks where the intra work dominates: a 16-row block needs no cross-block part, and 2-warp
+    programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
+    the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
+    per 32), so one long sequence over few heads keeps 32-token chunks. Per token-head the intra kernel saves
+    ~0.7 ns and the chain costs ~20 ns per token of the longest sequence: 16 wins where tokens × heads ≥
+    CHAIN_RATIO × longest sequence. 32-token programs: 4 warps capped at 128 registers (four per SM)."""
+    if tokens * heads >= CHAIN_RATIO * max_len:
+        return dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
+                    state_warps=4, state_stages=3, PREC="tf32", SAFE=1)
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(BT=BT, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
+    return dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
                 state_stages=3, PREC="tf32", SAFE=1)
 
 
@@ -384,7 +393,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     o = torch.empty(T, H, V, device=dev, dtype=v.dtype)
     if n_seqs == 0 or (T == 0 and ht is None):
         return o
-    cfg = {**prefill_config(K, V, n_seqs, H), **TUNE.get("prefill", {}), **(config or {})}
+    max_len = max(b - a for a, b in zip(cu_list, cu_list[1:]))
+    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len), **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
     chunks, chunk_off, cu32, nc = _metadata(cu_list, dev, bt)
     it = q.dtype
