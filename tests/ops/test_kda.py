@@ -237,3 +237,55 @@ def test_prefill_chunk_choice():
     assert prefill_config(128, 128, 8, 32, 8192, 1024)["BT"] == 16
     assert prefill_config(128, 128, 1, 16, 8192, 8192)["BT"] == 32
     assert prefill_config(128, 128, 2, 8, 65536, 32768)["BT"] == 32
+    # the state kernels beside the intra kernel only where one sequence's chain is at least half the work
+    one = prefill_config(128, 128, 1, 32, 32768, 32768)
+    assert one["overlap"] and one["segments"] == 8 and one["BV"] == 32
+    assert not prefill_config(128, 128, 8, 32, 8192, 1024)["overlap"]
+    assert not prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
+
+
+@pytest.mark.parametrize("segments", [2, 5])
+def test_prefill_segments(monkeypatch, segments):
+    """The chunk list cut into segments (the state kernel run per segment, states carried across the cuts):
+    sequences crossing one and two cuts, an empty and a length-1 sequence, states from and to a shuffled pool in
+    place. The same values as one segment, bit for bit, and the float64 reference."""
+    from lmkernels.ops.kda import kernels
+
+    H, K, V = 2, 64, 64
+    lens = [70, 0, 1, 130, 33]
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    q, k, v, f, b = inputs(1, sum(lens), H, K, V, torch.float32)
+    kw = dict(gate_kwargs("safe", H, K), l2norm_qk=True, beta_sigmoid=True)
+    idx = torch.tensor([3, 0, 5, 1, 4])
+    h0 = torch.randn(6, H, K, V) * 0.1
+    runs = []
+    for n_seg in (1, segments):
+        monkeypatch.setitem(kernels.TUNE, "prefill", {"segments": n_seg})
+        pool = h0.clone()
+        pool[2] = float("nan")  # no sequence's slot: must stay untouched
+        o, _ = kda_prefill(q, k, v, f, b, cu_seqlens=cu, state_pool=pool, state_indices=idx, **kw)
+        runs.append((o, pool))
+    (o1, p1), (o2, p2) = runs
+    assert torch.equal(o2, o1) and torch.equal(p2[idx], p1[idx]) and torch.isnan(p2[2]).all()
+    ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu, initial_state=h0[idx].double())
+    assert rel(o2, ro) < TOL[torch.float32] and rel(p2[idx], rS) < TOL[torch.float32]
+    assert torch.equal(p2[idx[1]], h0[idx[1]])  # the empty sequence keeps its state
+
+
+def test_segment_table_pieces():
+    """Every chunk in exactly one piece; a piece's carry-out slot is the next piece's carry-in of its sequence."""
+    from lmkernels.ops.kda.kernels import segment_table
+
+    cu = [0, 70, 70, 71, 201, 234]
+    chunks, pieces, segs = segment_table(cu, 32, 5)
+    assert len(segs) == 5 and [s[1] - s[0] for s in segs] == [2, 2, 2, 2, 3]
+    covered = sorted(c for bos, eos, c0, n, cin, cout in pieces for c in range(c0, c0 + -(-(eos - bos) // 32)))
+    assert covered == list(range(len(chunks)))
+    by_seq = {}
+    for p in pieces:
+        by_seq.setdefault(p[3], []).append(p)
+    assert [len(by_seq[n]) for n in range(5)] == [2, 1, 1, 3, 1]
+    for ps in by_seq.values():
+        assert ps[0][4] == -1 and ps[-1][5] == -1 and ps[0][0] == cu[ps[0][3]] and ps[-1][1] == cu[ps[0][3] + 1]
+        for x, y in zip(ps, ps[1:]):
+            assert x[5] == y[4] >= 0 and x[1] == y[0]

@@ -194,7 +194,7 @@ def main():
             traceback.print_exc()
         dump()
     log("checks", time.time() - t0)
-    pv = [("base", {}), ("bt32", BT32), ("bt64", {"BT": 64, "intra_warps": 8, "BK": 32, "intra_maxnreg": None}),
+    pv = [("base", {}), ("serial", {"segments": 1, "overlap": False}), ("bt32", BT32), ("bt64", {"BT": 64, "intra_warps": 8, "BK": 32, "intra_maxnreg": None}),
           ("iw4", {"intra_warps": 4}), ("is2", {"intra_stages": 2}),
           ("bv16", {"BV": 16}), ("bv64", {"BV": 64}), ("sw8", {"state_warps": 8}), ("ss2", {"state_stages": 2}),
           ("ss1", {"state_stages": 1}), ("x3", {"PREC": "tf32x3"})]
@@ -219,7 +219,7 @@ def main():
         return
     for h, lens, dense in ((96, [8192], True), (32, [1024] * 8, False), (32, [4096] * 8, True)):
         try:
-            time_prefill(h, lens, dense, pv[:2] + pv[5:8])
+            time_prefill(h, lens, dense, pv[:3] + pv[6:9])
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         dump()

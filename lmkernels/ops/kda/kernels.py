@@ -18,13 +18,18 @@ boundary:
 Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
 """
 
+import bisect
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from ..._utils import interpreting
 
-CHAIN_RATIO = 28  # 16-token chunks where tokens × heads ≥ CHAIN_RATIO × the longest sequence (prefill_config)
+# 16-token chunks where tokens × heads ≥ CHAIN_RATIO × the longest sequence, the state kernels beside the intra
+# kernel up to OVERLAP_RATIO × (prefill_config)
+CHAIN_RATIO, OVERLAP_RATIO = 28, 77
 BS = 16  # sub-chunk
 # The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
 # and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
@@ -237,25 +242,36 @@ def _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r
 
 @triton.jit
 def _kda_state(
-    w, u, qg, kg, aqk, gl, o, cu, chunk_off, h0, h0_idx, ht, ht_idx,
+    w, u, qg, kg, aqk, gl, o, pieces, h0, h0_idx, ht, ht_idx, carry,
     s_ot, s_oh, s_h0, s_ht,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # the V blocks of one (sequence, head) run side by side and share W, Qg, Kg in L2
+    """One piece of a sequence (its chunks inside one segment; a row of `pieces`: first token, end token, first
+    chunk, sequence, carry slot in, carry slot out), one head, one block of V columns. The state comes from the
+    carry slot (the sequence's previous piece), else from h0 or zero; it goes to the carry slot for the next
+    piece, else to ht."""
+    # the V blocks of one (piece, head) run side by side and share W, Qg, Kg in L2
     iv = tl.program_id(0) % (V // BV)
-    nn = tl.program_id(0) // (V // BV)
+    row = pieces + (tl.program_id(0) // (V // BV)) * 6
     hh = tl.program_id(1)
-    bos = tl.load(cu + nn).to(tl.int64)
-    eos = tl.load(cu + nn + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + nn)
+    bos = tl.load(row).to(tl.int64)
+    eos = tl.load(row + 1).to(tl.int64)
+    c0 = tl.load(row + 2)
+    nn = tl.load(row + 3)
+    c_in = tl.load(row + 4).to(tl.int64)
+    c_out = tl.load(row + 5).to(tl.int64)
     r = tl.arange(0, BT)
     dk = tl.arange(0, K)
     dv = iv * BV + tl.arange(0, BV)
+    st = hh * K * V + dk[:, None] * V + dv[None, :]
     S = tl.zeros([K, BV], tl.float32)
-    if HAS_H0:
-        i0 = tl.load(h0_idx + nn).to(tl.int64)
-        S = tl.load(h0 + i0 * s_h0 + hh * K * V + dk[:, None] * V + dv[None, :]).to(tl.float32)
+    if c_in >= 0:
+        S = tl.load(carry + c_in * (H * K * V) + st)
+    else:
+        if HAS_H0:
+            i0 = tl.load(h0_idx + nn).to(tl.int64)
+            S = tl.load(h0 + i0 * s_h0 + st).to(tl.float32)
     nc = (eos - bos + BT - 1) // BT
     if INTERPRET:  # numpy >= 2.4: the interpreter cannot use loaded scalars as range() bounds
         c = 0
@@ -265,9 +281,12 @@ def _kda_state(
     else:
         for c in range(0, nc):
             S = _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H, K, V, BT)
-    if STORE_HT:
-        i1 = tl.load(ht_idx + nn).to(tl.int64)
-        tl.store(ht + i1 * s_ht + hh * K * V + dk[:, None] * V + dv[None, :], S)
+    if c_out >= 0:
+        tl.store(carry + c_out * (H * K * V) + st, S)
+    else:
+        if STORE_HT:
+            i1 = tl.load(ht_idx + nn).to(tl.int64)
+            tl.store(ht + i1 * s_ht + st, S)
 
 
 @triton.jit
@@ -320,21 +339,30 @@ def _kda_decode(
 
 
 def prefill_config(K, V, n_seqs, heads, tokens, max_len):
-    """Launch parameters (H100 A/Bs in benchmarks/NOTES.md): the chunk (BT); the intra kernel's warps, pipeline
-    stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state kernel's block of V,
-    warps and stages.
+    """Launch parameters (H100 A/Bs in benchmarks/NOTES.md, issue 5, session g): the chunk (BT); the intra
+    kernel's warps, pipeline stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state
+    kernel's block of V, warps and stages; the segments the chunk list is cut into and whether each segment's
+    state kernel runs beside the next segment's intra kernel (overlap).
     16-token chunks where the intra work dominates: a 16-row block needs no cross-block part, and 2-warp
     programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
     the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
-    per 32), so one long sequence over few heads keeps 32-token chunks. Per token-head the intra kernel saves
-    ~0.7 ns and the chain costs ~20 ns per token of the longest sequence: 16 wins where tokens × heads ≥
-    CHAIN_RATIO × longest sequence. 32-token programs: 4 warps capped at 128 registers (four per SM)."""
-    if tokens * heads >= CHAIN_RATIO * max_len:
-        return dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
-                    state_warps=4, state_stages=3, PREC="tf32", SAFE=1)
+    per 32). Per token-head the intra kernel saves ~0.7 ns and the chain costs ~20 ns per token of the longest
+    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence. Up to OVERLAP_RATIO the chain
+    (~55 ns a token) is at least half the intra kernel (~1.4 ns a token-head): there the state kernels run on a
+    second stream beside the next segment's intra programs, with ~128 state programs (BV) so that the SMs they
+    share keep room for intra programs (H=32 one sequence: T=8192 −13%, T=32768 −19%; more heads or more
+    sequences lose). 32-token programs: 4 warps capped at 128 registers (four per SM)."""
+    ratio = tokens * heads / max(max_len, 1)
+    if ratio >= CHAIN_RATIO:
+        cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
+                   state_warps=4, state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
+        if ratio <= OVERLAP_RATIO:
+            cfg.update(segments=max(2, min(8, max_len // 2048)), overlap=True,
+                       BV=max(32, min(V, V * heads // 128)))
+        return cfg
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
     return dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
-                state_stages=3, PREC="tf32", SAFE=1)
+                state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
 
 
 def intra_compile_options(cfg):
@@ -349,42 +377,79 @@ def decode_config(K, V, n, heads):
     return dict(BV=min(bv, V), num_warps=4 if bv >= 32 else 2)
 
 
-def _chunk_table(cu_list, bt):
-    starts, offs = [], [0]
+def segment_table(cu_list, bt, n_segments):
+    """The chunks (start token, rows) in token order, never crossing a sequence; the chunk list cut into
+    segments [a, b) of near-equal length; per segment its pieces (first token, end token, first chunk,
+    sequence, carry slot in, carry slot out), a piece being the chunks of one sequence inside the segment.
+    The sequence crossing the boundary after segment s leaves its state in carry slot s for its next piece.
+    An empty sequence is a piece of no chunks (its final state is its initial state).
+    Returns (chunks, pieces, [(a, b, first piece, pieces) per segment])."""
+    chunks, first = [], []
     for s, e in zip(cu_list, cu_list[1:]):
-        for c in range(s, e, bt):
-            starts.append((c, min(bt, e - c)))
-        offs.append(len(starts))
-    return starts, offs
+        first.append(len(chunks))
+        chunks.extend((c, min(bt, e - c)) for c in range(s, e, bt))
+    first.append(len(chunks))
+    nc = len(chunks)
+    n_seg = max(1, min(n_segments, nc))
+    bounds = [i * nc // n_seg for i in range(n_seg + 1)]
+    by_seg = [[] for _ in range(n_seg)]
+    for n in range(len(cu_list) - 1):
+        lo, hi = first[n], first[n + 1]
+        if lo == hi:
+            by_seg[min(bisect.bisect_right(bounds, lo) - 1, n_seg - 1)].append((cu_list[n], cu_list[n], lo, n, -1, -1))
+        c = lo
+        while c < hi:
+            si = bisect.bisect_right(bounds, c) - 1
+            end = min(hi, bounds[si + 1])
+            eos = chunks[end - 1][0] + chunks[end - 1][1]
+            by_seg[si].append((chunks[c][0], eos, c, n, si - 1 if c > lo else -1, si if end < hi else -1))
+            c = end
+    pieces, segs = [], []
+    for si, ps in enumerate(by_seg):
+        segs.append((bounds[si], bounds[si + 1], len(pieces), len(ps)))
+        pieces.extend(ps)
+    return chunks, pieces, segs
 
 
 _META = {}
+_SIDE_STREAMS = {}
 # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool}
 TUNE = {}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
 
-def _metadata(cu_list, dev, bt):
-    """Chunk table (start token, rows) per chunk, each sequence's first chunk, offsets; cached per batch layout
-    so that a CUDA-graph capture after a warm-up call copies nothing to the device."""
-    key = (tuple(cu_list), str(dev), bt)
+def _metadata(cu_list, dev, bt, n_segments):
+    """segment_table on the device (chunks [nc, 2], pieces [P, 6] int32) and the segments on the host; cached
+    per batch layout so that a CUDA-graph capture after a warm-up call copies nothing to the device."""
+    key = (tuple(cu_list), str(dev), bt, n_segments)
     hit = _META.get(key)
     if hit is None:
-        starts, offs = _chunk_table(cu_list, bt)
-        hit = (torch.tensor(starts if starts else [(0, 0)], dtype=torch.int32).to(dev),
-               torch.tensor(offs, dtype=torch.int32).to(dev), torch.tensor(cu_list, dtype=torch.int32).to(dev),
-               len(starts))
+        chunks, pieces, segs = segment_table(cu_list, bt, n_segments)
+        hit = (torch.tensor(chunks if chunks else [(0, 0)], dtype=torch.int32).to(dev),
+               torch.tensor(pieces, dtype=torch.int32).to(dev), segs, len(chunks))
         if len(_META) > 256:
             _META.clear()
         _META[key] = hit
     return hit
 
 
+def _side_stream(dev):
+    """A high-priority stream for the state kernels: their programs take SM slots ahead of the intra kernel's
+    queued ones, so the chain of chunk updates is not starved."""
+    s = _SIDE_STREAMS.get(dev)
+    if s is None:
+        s = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev, priority=-1)
+    return s
+
+
 def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_sig, h0, h0_idx, ht, ht_idx,
             cu_host=None, config=None):
     """Packed tokens: q/k/g [T, H, K], v [T, H, V], beta [T, H]; cu [N + 1] (any device; cu_host: the same on
     the CPU, to avoid a sync). Initial states from h0[h0_idx[n]] (fp32 [*, H, K, V]) when h0 is given; final
-    states to ht[ht_idx[n]]."""
+    states to ht[ht_idx[n]].
+    Per segment of the chunk list: the intra kernel, then the state kernel from the previous segment's carried
+    states. With overlap (CUDA), the state kernels run on a second stream, each after its segment's intra
+    kernel and beside the next segment's."""
     T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -396,7 +461,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     max_len = max(b - a for a, b in zip(cu_list, cu_list[1:]))
     cfg = {**prefill_config(K, V, n_seqs, H, T, max_len), **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
-    chunks, chunk_off, cu32, nc = _metadata(cu_list, dev, bt)
+    chunks, pieces, segs, nc = _metadata(cu_list, dev, bt, cfg["segments"])
     it = q.dtype
     w = torch.empty(T, H, K, device=dev, dtype=it)
     qg = torch.empty(T, H, K, device=dev, dtype=it)
@@ -404,27 +469,38 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     u = torch.empty(T, H, V, device=dev, dtype=it)
     aqk = torch.empty(T, H, bt, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
+    carry = torch.empty(max(len(segs) - 1, 1), H, K, V, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
-    if nc:
-        LAUNCHED["intra"] = _kda_intra[(nc, H)](
-            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
-            w, u, qg, kg, aqk, gl, chunks,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
-            H=H, K=K, V=V, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
-            BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2, BKW=min(cfg["BKW"], K, V),
-            num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
-            **intra_compile_options(cfg))
-    if TUNE.get("skip_state"):
-        return o
     BV = cfg["BV"]
-    LAUNCHED["state"] = _kda_state[(n_seqs * (V // BV), H)](
-        w, u, qg, kg, aqk, gl, o, cu32, chunk_off, h0 if h0 is not None else gl, h0_idx if h0 is not None else cu32,
-        ht if ht is not None else gl, ht_idx if ht is not None else cu32,
-        o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
-        H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
-        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+    main = side = None
+    if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+    for a, b, p0, n_pieces in segs:
+        if b > a:
+            LAUNCHED["intra"] = _kda_intra[(b - a, H)](
+                q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+                w, u, qg, kg, aqk, gl[a:], chunks[a:],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                g.stride(1), beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
+                H=H, K=K, V=V, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
+                BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
+                BKW=min(cfg["BKW"], K, V), num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
+                **intra_compile_options(cfg))
+        if TUNE.get("skip_state") or n_pieces == 0:
+            continue
+        if side is not None:
+            side.wait_stream(main)  # this segment's intra outputs
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            LAUNCHED["state"] = _kda_state[(n_pieces * (V // BV), H)](
+                w, u, qg, kg, aqk, gl, o, pieces[p0:], h0 if h0 is not None else gl,
+                h0_idx if h0 is not None else pieces, ht if ht is not None else gl,
+                ht_idx if ht is not None else pieces, carry,
+                o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
+                H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
+                num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+    if side is not None:
+        main.wait_stream(side)
     return o
 
 
