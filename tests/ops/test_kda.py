@@ -242,6 +242,9 @@ def test_prefill_chunk_choice():
     assert one["overlap"] and one["segments"] == 8 and one["BV"] == 32
     assert not prefill_config(128, 128, 8, 32, 8192, 1024)["overlap"]
     assert not prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
+    few_heads = prefill_config(128, 128, 1, 16, 8192, 8192)
+    assert few_heads["BT"] == 32 and few_heads["overlap"] and few_heads["segments"] == 4
+    assert not prefill_config(128, 128, 1, 16, 2048, 2048)["overlap"]  # too short to cut
 
 
 @pytest.mark.parametrize("segments", [2, 5])

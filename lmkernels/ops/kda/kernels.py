@@ -347,22 +347,28 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len):
     programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
     the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
     per 32). Per token-head the intra kernel saves ~0.7 ns and the chain costs ~20 ns per token of the longest
-    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence. Up to OVERLAP_RATIO the chain
-    (~55 ns a token) is at least half the intra kernel (~1.4 ns a token-head): there the state kernels run on a
-    second stream beside the next segment's intra programs, with ~128 state programs (BV) so that the SMs they
-    share keep room for intra programs (H=32 one sequence: T=8192 −13%, T=32768 −19%; more heads or more
-    sequences lose). 32-token programs: 4 warps capped at 128 registers (four per SM)."""
+    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence. Where the chain is at least
+    half the intra time (below CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO: ~55 ns a token against
+    ~1.4 ns a token-head) and the longest sequence has ≥ 4096 tokens, the state kernels run per segment of
+    ~2048 tokens (at most 8) on a second stream beside the next segment's intra programs, with ~128 state
+    programs (BV) so that the SMs they share keep room for intra programs (one sequence: H=32 T=8192 −13%,
+    T=32768 −19%; H=16 −6% / −16%; H=64 −5%; more heads or more sequences lose). 32-token programs: 4 warps
+    capped at 128 registers (four per SM)."""
     ratio = tokens * heads / max(max_len, 1)
+    segments = min(8, max_len // 2048)
+    overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, V * heads // 128)))
     if ratio >= CHAIN_RATIO:
         cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
                    state_warps=4, state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
-        if ratio <= OVERLAP_RATIO:
-            cfg.update(segments=max(2, min(8, max_len // 2048)), overlap=True,
-                       BV=max(32, min(V, V * heads // 128)))
+        if ratio <= OVERLAP_RATIO and segments >= 2:
+            cfg.update(overlap)
         return cfg
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
-    return dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
-                state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
+    cfg = dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
+               state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
+    if segments >= 2:
+        cfg.update(overlap)
+    return cfg
 
 
 def intra_compile_options(cfg):
