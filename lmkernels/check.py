@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .ops import activation, attention, gemv, norm, rope
+from .ops import activation, attention, gemv, kda, mla, norm, rope
 
 # Relative-error limits against the reference at the op's input dtype. Both sides compute in fp32 and
 # round once, so they differ by about one rounding of the output (bf16: 2^-9 relative).
@@ -150,6 +150,98 @@ def _attention_cases(big, dev, dt):
            lambda: ref.merge_states(o_a, l_a, o_b, l_b)[0])
 
 
+def _once(fn):
+    """fn, called on first use only: two checked parts of one call (an output and the states it updates) share it."""
+    memo = {}
+
+    def get():
+        if "value" not in memo:
+            memo["value"] = fn()
+        return memo["value"]
+    return get
+
+
+def _kda_cases(big, dev, dt):
+    """Prefill with the gate, L2 norm and β sigmoid fused, initial and final states: a ragged batch with a
+    length-1 sequence (16-token chunks on the GPU) and, on the GPU, one long sequence over 32 and over 8 heads
+    (16- and 32-token chunks, state recurrence beside the chunk work on a second stream); recurrent decode of
+    one token per sequence against a shuffled state pool (the output and the updated states compared)."""
+    ref = kda.reference
+    K = 128 if big else 64
+    shapes = (([1, 700, 2049], 32), ([8192], 32), ([8192], 8)) if big else (([1, 17, 40], 2),)
+    for lens, h in shapes:
+        cu = torch.tensor([0, *lens]).cumsum(0)
+        q, k, v = (torch.randn(1, sum(lens), h, K, device=dev, dtype=dt) for _ in range(3))
+        f = (torch.randn(1, sum(lens), h, K, device=dev) * 2 - 3).to(dt)
+        beta = torch.randn(1, sum(lens), h, device=dev, dtype=dt)
+        h0 = torch.randn(len(lens), h, K, K, device=dev) * 0.05
+        opts = dict(A_log=torch.log(torch.empty(h, device=dev).uniform_(1, 4)),
+                    dt_bias=torch.randn(h * K, device=dev) * 0.5, lower_bound=-5.0, l2norm_qk=True, beta_sigmoid=True)
+
+        ours = _once(lambda q=q, k=k, v=v, f=f, beta=beta, h0=h0, cu=cu, opts=opts: kda.kda_prefill(
+            q, k, v, f, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu,
+            **opts))
+        want = _once(lambda q=q, k=k, v=v, f=f, beta=beta, h0=h0, cu=cu, opts=opts: ref.kda(
+            *(x.double() for x in (q, k, v, f, beta)), initial_state=h0.double(), cu_seqlens=cu, chunk=64, **opts))
+        for i, part in enumerate(("o", "state")):
+            yield (f"kda_prefill(N={len(lens)}, H={h}) {part}", q.shape, lambda i=i, ours=ours: ours()[i],
+                   lambda i=i, want=want: want()[i])
+    n = 64 if big else 3
+    h = 32 if big else 2
+    q, k, v = (torch.randn(n, h, K, device=dev, dtype=dt) for _ in range(3))
+    f = (torch.randn(n, h, K, device=dev) * 2 - 3).to(dt)
+    beta = torch.randn(n, h, device=dev, dtype=dt)
+    pool = torch.randn(n + 3, h, K, K, device=dev) * 0.05
+    idx = torch.randperm(n + 3, device=dev)[:n].to(torch.int32)
+    opts = dict(A_log=torch.log(torch.empty(h, device=dev).uniform_(1, 4)), dt_bias=torch.randn(h * K, device=dev) * 0.5,
+                lower_bound=-5.0, l2norm_qk=True, beta_sigmoid=True)
+
+    def decode(reference):
+        p = pool.double() if reference else pool.clone()
+        if reference:  # [N, Q = 1, H, ·] in float64
+            o = ref.kda_decode(*(x.double()[:, None] for x in (q, k, v, f, beta)), p, idx.cpu(), **opts)[:, 0]
+        else:
+            o = kda.kda_decode(q, k, v, f, beta, p, idx, **opts)
+        return o, p[idx.long()]
+
+    ours, want = _once(lambda: decode(False)), _once(lambda: decode(True))
+    for i, part in enumerate(("o", "states")):
+        yield f"kda_decode(state pool) {part}", q.shape, lambda i=i: ours()[i], lambda i=i: want()[i]
+
+
+def _mla_cases(big, dev, dt):
+    """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots) and the absorbed decode
+    over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads)."""
+    ref = mla.reference
+    page = 64 if big else 16
+    ctx = [1, 1000, 4097, 333] if big else [1, 37, 20]
+    width = max(-(-c // page) for c in ctx)
+    tables = torch.randperm(len(ctx) * width, device=dev).to(torch.int32).view(len(ctx), width)
+    seq_lens = torch.tensor(ctx, device=dev, dtype=torch.int32)
+    n_tok = sum(ctx)
+    kv = torch.randn(n_tok, 576, device=dev, dtype=dt)
+    w = torch.rand(512, device=dev, dtype=dt) + 0.5
+    cs = rope.build_cos_sin_cache(64, 8192, 10000.0, None).to(dev)
+    pos = torch.cat([torch.arange(c, device=dev) for c in ctx])
+    slots = torch.cat([tables[b, torch.arange(c, device=dev) // page].long() * page + torch.arange(c, device=dev) % page
+                       for b, c in enumerate(ctx)])
+    cache = torch.zeros(len(ctx) * width, page, 576, device=dev, dtype=dt)
+    mla.write_latent_cache(kv, w, cs, pos, slots, cache)
+
+    def write(fn):
+        c = torch.full_like(cache, float("nan"))
+        fn(kv, w, cs, pos, slots, c)
+        return c.view(-1, 576)[slots]
+
+    yield "write_latent_cache", kv.shape, lambda: write(mla.write_latent_cache), lambda: write(ref.write_latent_cache)
+    for heads, n_new in ((16, 1), (16, 2)) + (((128, 1),) if big else ()):
+        qn = torch.randn(len(ctx), n_new, heads, 512, device=dev, dtype=dt)
+        qp = torch.randn(len(ctx), n_new, heads, 64, device=dev, dtype=dt)
+        yield (f"mla_decode({heads} heads, q {n_new})", qn.shape,
+               lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07)[0],
+               lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+
+
 def cases(device):
     """(op, shape, dtype, run ours, run reference) for every registered op."""
     big = device.type == "cuda"
@@ -163,8 +255,12 @@ def cases(device):
                     yield name, tuple(shape), dt, ours, ref
     # attention: half precision only; on the CPU fp16 alone (the interpreter computes bf16 dots wrong)
     for dt in ((torch.bfloat16, torch.float16) if big else (torch.float16,)):
-        for name, shape, ours, ref in _attention_cases(big, device, dt):
-            yield name, tuple(shape), dt, ours, ref
+        for gen in (_attention_cases, _mla_cases):
+            for name, shape, ours, ref in gen(big, device, dt):
+                yield name, tuple(shape), dt, ours, ref
+    # KDA: bf16 on the GPU (its fp32 path takes tf32 dots), fp32 through the interpreter
+    for name, shape, ours, ref in _kda_cases(big, device, torch.bfloat16 if big else torch.float32):
+        yield name, tuple(shape), torch.bfloat16 if big else torch.float32, ours, ref
 
 
 def run(device=None) -> int:

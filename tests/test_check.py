@@ -1,7 +1,9 @@
 """`lmkernels check` on the CPU: every op family runs and passes, and a broken op is reported as a failure."""
 
+import pytest
+
 from lmkernels import check
-from lmkernels.ops import attention
+from lmkernels.ops import attention, kda
 
 
 def test_check_passes_and_covers_every_family(capsys):
@@ -9,15 +11,23 @@ def test_check_passes_and_covers_every_family(capsys):
     out = capsys.readouterr().out
     for name in ("rms_norm", "layer_norm_gelu", "silu_and_mul", "apply_rotary", "attention_prefill",
                  "attention_decode(fp8 cache)", "write_kv_cache", "merge_attention_states", "gemv(rms_norm, SwiGLU)",
-                 "gemv_qkv(rms_norm, rotary, cache)"):
+                 "gemv_qkv(rms_norm, rotary, cache)", "write_latent_cache", "mla_decode(16 heads, q 2)", "kda_prefill(N=3, H=2) state",
+                 "kda_decode(state pool) o", "kda_decode(state pool) states"):
         assert name in out
     assert "all passed" in out
 
 
-def test_check_reports_a_wrong_op(monkeypatch, capsys):
-    real = attention.attention_decode
-    monkeypatch.setattr(attention, "attention_decode", lambda *a, **kw: real(*a, **kw) * 1.01)
+def _off_by_one_percent(fn):
+    def wrong(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return tuple(x * 1.01 for x in out) if isinstance(out, tuple) else out * 1.01
+    return wrong
+
+
+@pytest.mark.parametrize("family,op", [(attention, "attention_decode"), (kda, "kda_prefill")])
+def test_check_reports_a_wrong_op(monkeypatch, capsys, family, op):
+    monkeypatch.setattr(family, op, _off_by_one_percent(getattr(family, op)))
     assert check.run("cpu") == 1
     out = capsys.readouterr().out
     failing = [line for line in out.splitlines() if line.endswith("FAIL")]
-    assert failing and all(line.startswith("attention_decode") for line in failing)
+    assert failing and all(line.startswith(op) for line in failing)

@@ -209,14 +209,16 @@ def test_prefill_launch_configs(monkeypatch, cfg, l2):
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus", "none"])
-def test_prefill_16_token_chunks(gate):
-    """Many heads over short sequences take 16-token chunks (prefill_config); every gate form, varlen with a
-    length-1 sequence and lengths not multiples of 16, initial and final states."""
+def test_prefill_16_token_chunks(monkeypatch, gate):
+    """The 16-token configuration (what prefill_config gives many heads over short sequences); every gate form,
+    varlen with a length-1 sequence and lengths not multiples of 16, initial and final states."""
     from lmkernels.ops.kda import kernels
 
-    H, K, V = 32, 64, 64
+    H, K, V = 2, 64, 64
     lens = [37, 1, 50]
-    assert kernels.prefill_config(K, V, len(lens), H, sum(lens), max(lens))["BT"] == 16
+    cfg = kernels.prefill_config(K, V, len(lens), 32, sum(lens), max(lens))
+    assert cfg["BT"] == 16
+    monkeypatch.setitem(kernels.TUNE, "prefill", cfg)
     cu = torch.tensor([0, *lens]).cumsum(0)
     q, k, v, f, b = inputs(1, sum(lens), H, K, V, torch.float32)
     kw = dict(gate_kwargs(gate, H, K), l2norm_qk=True, beta_sigmoid=gate != "none")
