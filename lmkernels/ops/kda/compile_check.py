@@ -10,18 +10,18 @@ from . import kernels as K
 
 def intra(cfg=None, gate=2, dtype="bf16", k=128, v=128):
     cfg = {**K.prefill_config(k, v, 1, 32, 8192, 8192), **(cfg or {})}
-    types = {n: "*" + dtype for n in ("q", "k", "v", "g", "beta", "w", "u", "qg", "kg", "aqk")}
+    types = {n: "*" + dtype for n in ("q", "k", "g", "beta", "w", "tb", "qg", "kg", "aqk")}
     types.update(A_log="*fp32", dt_bias="*fp32", gl="*fp32", chunks="*i32", scale="fp32", lower_bound="fp32")
-    ce = dict(H=32, K=k, V=v, BT=cfg["BT"], BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
+    ce = dict(H=32, K=k, BT=cfg["BT"], BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
               SAFE=gate == 2 and bool(cfg["SAFE"]), PREC=cfg["PREC"], NSQ=cfg["BT"].bit_length() - 2,
-              BKW=min(cfg["BKW"], k, v))
+              BKW=min(cfg["BKW"], k))
     return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"],
                           **K.intra_compile_options(cfg))
 
 
 def state(cfg=None, dtype="bf16", k=128, v=128):
     cfg = {**K.prefill_config(k, v, 1, 32, 8192, 8192), **(cfg or {})}
-    types = {n: "*" + dtype for n in ("w", "u", "qg", "kg", "aqk", "o")}
+    types = {n: "*" + dtype for n in ("w", "tb", "v", "qg", "kg", "aqk", "o")}
     types.update(gl="*fp32", pieces="*i32", h0="*fp32", h0_idx="*i32", ht="*fp32", ht_idx="*i32", carry="*fp32")
     ce = dict(H=32, K=k, V=v, BV=cfg["BV"], BT=cfg["BT"], HAS_H0=True, STORE_HT=True, INTERPRET=False)
     return compile_kernel(K._kda_state, types, ce, cfg["state_warps"], cfg["state_stages"])

@@ -5,7 +5,7 @@ boundary:
 1. `_kda_intra` (one program per chunk and head, all chunks in parallel): fused gate and β sigmoid;
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^(BT/2)));
-   W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
+   Tb = T diag(β), W = Tb (K ⊙ e^Γ) (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
    e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
    (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
    one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand); the L2 norms
@@ -13,8 +13,9 @@ boundary:
    A. Other gates use one exponent per (i, j, d) (slower).
 2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks; the V
    blocks of one sequence and head are launched next to each other, so W, Qg, Kg are read from DRAM once):
-   Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read from
-   and written to a state pool.
+   U = Tb V (off the chain; storing U from the intra kernel instead cost 2 × T·H·V values of traffic, −3 to
+   −6%), Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read
+   from and written to a state pool.
 Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
 """
 
@@ -93,10 +94,10 @@ def _inv_norm(sum_sq, L2: tl.constexpr):
 
 @triton.jit
 def _kda_intra(
-    q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, aqk, gl, chunks,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+    q, k, g, beta, A_log, dt_bias, w, tb, qg, kg, aqk, gl, chunks,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr,
 ):
@@ -195,7 +196,8 @@ def _kda_intra(
         Pw = tl.dot(Pw, Pw, input_precision=PREC)
         Tm = tl.dot(Tm, eye + Pw, input_precision=PREC)
 
-    # W = T diag(β)(K ⊙ e^Γ), U = T diag(β) V: operands in the input dtype (tensor cores for 16-bit inputs)
+    # Tb = T diag(β) (the state kernel forms U = Tb V), W = Tb (K ⊙ e^Γ): operands in the input dtype (tensor
+    # cores for 16-bit inputs)
     dt = w.dtype.element_ty
     Tb = (Tm * bb[None, :]).to(dt)
     for c0 in tl.static_range(0, K, BKW):
@@ -212,16 +214,12 @@ def _kda_intra(
         tl.store(qg + ot, (bq * eG * scale).to(dt), mask=rm[:, None])
         tl.store(kg + ot, (bk * tl.exp(Glast[None, :] - G)).to(dt), mask=rm[:, None])
         tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
-    for c0 in tl.static_range(0, V, BKW):
-        dv = c0 + tl.arange(0, BKW)
-        bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0)
-        tl.store(u + tok[:, None] * (H * V) + hh * V + dv[None, :],
-                 tl.dot(Tb, bv.to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
+    tl.store(tb + tok[:, None] * (H * BT) + hh * BT + r[None, :], Tb, mask=rm[:, None])
 
 
 @triton.jit
-def _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+def _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
     dt = w.dtype.element_ty
     tok = bos + c * BT + r
     rm = tok < eos
@@ -229,11 +227,12 @@ def _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r
     bw = tl.load(w + ok, mask=rm[:, None], other=0.0)
     bqg = tl.load(qg + ok, mask=rm[:, None], other=0.0)
     bkg = tl.load(kg + ok, mask=rm[:, None], other=0.0)
-    bu = tl.load(u + tok[:, None] * (H * V) + hh * V + dv[None, :], mask=rm[:, None], other=0.0)
+    btb = tl.load(tb + tok[:, None] * (H * BT) + hh * BT + r[None, :], mask=rm[:, None], other=0.0)
+    bv = tl.load(v + tok[:, None] * s_vt + hh * s_vh + dv[None, :], mask=rm[:, None], other=0.0)
     ba = tl.load(aqk + tok[:, None] * (H * BT) + hh * BT + r[None, :], mask=rm[:, None], other=0.0)
     bgl = tl.load(gl + ((c0 + c) * H + hh) * K + dk)
     Sb = S.to(dt)
-    un = bu.to(tl.float32) - tl.dot(bw, Sb)
+    un = tl.dot(btb, bv.to(dt)) - tl.dot(bw, Sb)
     unb = un.to(dt)
     ob = tl.dot(bqg, Sb) + tl.dot(ba, unb)
     tl.store(o + tok[:, None] * s_ot + hh * s_oh + dv[None, :], ob.to(o.dtype.element_ty), mask=rm[:, None])
@@ -242,8 +241,8 @@ def _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r
 
 @triton.jit
 def _kda_state(
-    w, u, qg, kg, aqk, gl, o, pieces, h0, h0_idx, ht, ht_idx, carry,
-    s_ot, s_oh, s_h0, s_ht,
+    w, tb, v, qg, kg, aqk, gl, o, pieces, h0, h0_idx, ht, ht_idx, carry,
+    s_vt, s_vh, s_ot, s_oh, s_h0, s_ht,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -276,11 +275,13 @@ def _kda_state(
     if INTERPRET:  # numpy >= 2.4: the interpreter cannot use loaded scalars as range() bounds
         c = 0
         while c < nc:
-            S = _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H, K, V, BT)
+            S = _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H,
+                             K, BT)
             c += 1
     else:
         for c in range(0, nc):
-            S = _state_chunk(S, c, c0, bos, eos, w, u, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H, K, V, BT)
+            S = _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H,
+                             K, BT)
     if c_out >= 0:
         tl.store(carry + c_out * (H * K * V) + st, S)
     else:
@@ -472,7 +473,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     w = torch.empty(T, H, K, device=dev, dtype=it)
     qg = torch.empty(T, H, K, device=dev, dtype=it)
     kg = torch.empty(T, H, K, device=dev, dtype=it)
-    u = torch.empty(T, H, V, device=dev, dtype=it)
+    tb = torch.empty(T, H, bt, device=dev, dtype=it)
     aqk = torch.empty(T, H, bt, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     carry = torch.empty(max(len(segs) - 1, 1), H, K, V, device=dev, dtype=torch.float32)
@@ -485,13 +486,13 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     for a, b, p0, n_pieces in segs:
         if b > a:
             LAUNCHED["intra"] = _kda_intra[(b - a, H)](
-                q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
-                w, u, qg, kg, aqk, gl[a:], chunks[a:],
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                g.stride(1), beta.stride(0), beta.stride(1), float(scale), float(lower_bound or 0.0),
-                H=H, K=K, V=V, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
+                q, k, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+                w, tb, qg, kg, aqk, gl[a:], chunks[a:],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0),
+                beta.stride(1), float(scale), float(lower_bound or 0.0),
+                H=H, K=K, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
                 BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
-                BKW=min(cfg["BKW"], K, V), num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
+                BKW=min(cfg["BKW"], K), num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
                 **intra_compile_options(cfg))
         if TUNE.get("skip_state") or n_pieces == 0:
             continue
@@ -499,10 +500,11 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
             side.wait_stream(main)  # this segment's intra outputs
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             LAUNCHED["state"] = _kda_state[(n_pieces * (V // BV), H)](
-                w, u, qg, kg, aqk, gl, o, pieces[p0:], h0 if h0 is not None else gl,
+                w, tb, v, qg, kg, aqk, gl, o, pieces[p0:], h0 if h0 is not None else gl,
                 h0_idx if h0 is not None else pieces, ht if ht is not None else gl,
                 ht_idx if ht is not None else pieces, carry,
-                o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
+                v.stride(0), v.stride(1), o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0,
+                ht.stride(0) if ht is not None else 0,
                 H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
                 num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     if side is not None:
