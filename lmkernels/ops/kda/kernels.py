@@ -143,15 +143,22 @@ def _kda_intra(
                 sq += tl.sum(bq * bq, 1)
                 sk += tl.sum(bk * bk, 1)
             G = tl.cumsum(bg, 0)
-            M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
-            after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
-            er = tl.exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")))  # [BT, NB, BK]
-            inblk = (r // BS)[None, :, None] == nb[:, None, None]  # [NB, BT, 1]
-            Mown = tl.reshape(tl.broadcast_to(M[:, None, :], [NB, BS, BK]), [BT, BK])  # each row's own reference
-            ec = tl.where(inblk, (bk * tl.exp(Mown - G))[None, :, :], 0.0)
-            ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
-            A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
-            Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
+            if NB == 1:  # 16-token chunks: one block, so plain 2D factors (no block-diagonal operand)
+                M1 = tl.sum(tl.where(r[:, None] == BS // 2 - 1, G, 0.0), 0)
+                k_col = bk * tl.exp(M1[None, :] - G)
+                e_row = tl.exp(G - M1[None, :])
+                A = tl.dot(bk * e_row, tl.trans(k_col), A, input_precision=PREC)
+                Aq = tl.dot(bq * e_row, tl.trans(k_col), Aq, input_precision=PREC)
+            else:
+                M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
+                after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
+                er = tl.exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")))  # [BT, NB, BK]
+                inblk = (r // BS)[None, :, None] == nb[:, None, None]  # [NB, BT, 1]
+                Mown = tl.reshape(tl.broadcast_to(M[:, None, :], [NB, BS, BK]), [BT, BK])  # each row's own reference
+                ec = tl.where(inblk, (bk * tl.exp(Mown - G))[None, :, :], 0.0)
+                ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
+                A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
+                Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
         rq = _inv_norm(sq, L2)
         rk = _inv_norm(sk, L2)
         A = tl.where(causal, A, 0.0) * (rk * bb)[:, None] * rk[None, :]
