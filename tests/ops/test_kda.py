@@ -238,12 +238,16 @@ def test_prefill_chunk_choice():
     assert prefill_config(128, 128, 1, 32, 8192, 8192)["BT"] == 16
     assert prefill_config(128, 128, 8, 32, 8192, 1024)["BT"] == 16
     assert prefill_config(128, 128, 1, 16, 8192, 8192)["BT"] == 32
-    assert prefill_config(128, 128, 2, 8, 65536, 32768)["BT"] == 32
+    assert prefill_config(128, 128, 1, 24, 8192, 8192)["BT"] == 16
+    assert prefill_config(128, 128, 2, 8, 65536, 32768, 2)["BT"] == 32
     # the state kernels beside the intra kernel only where one sequence's chain is at least half the work
     one = prefill_config(128, 128, 1, 32, 32768, 32768)
     assert one["overlap"] and one["segments"] == 8 and one["BV"] == 32
     assert not prefill_config(128, 128, 8, 32, 8192, 1024)["overlap"]
-    assert not prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
+    assert prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
+    assert prefill_config(128, 128, 1, 96, 8192, 8192)["BV"] == 64  # a power of two that divides V
+    assert not prefill_config(128, 128, 1, 128, 8192, 8192)["overlap"]
+    assert not prefill_config(128, 128, 2, 32, 16384, 8192, 2)["overlap"]  # two long chains would queue
     few_heads = prefill_config(128, 128, 1, 16, 8192, 8192)
     assert few_heads["BT"] == 32 and few_heads["overlap"] and few_heads["segments"] == 4
     assert not prefill_config(128, 128, 1, 16, 2048, 2048)["overlap"]  # too short to cut

@@ -30,7 +30,7 @@ from ..._utils import interpreting
 
 # 16-token chunks where tokens × heads ≥ CHAIN_RATIO × the longest sequence, the state kernels beside the intra
 # kernel up to OVERLAP_RATIO × (prefill_config)
-CHAIN_RATIO, OVERLAP_RATIO = 28, 77
+CHAIN_RATIO, OVERLAP_RATIO = 20, 100
 BS = 16  # sub-chunk
 # The block-reference A dots: exp(Γ_i − M_b) leaves fp32's normal range below e^-87.3 (denormals keep few bits
 # and may be flushed on the way through the tf32 dot) while its partner factor reaches e^{8|lb|}, so a pair
@@ -346,7 +346,7 @@ def _kda_decode(
 # launchers
 
 
-def prefill_config(K, V, n_seqs, heads, tokens, max_len):
+def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md, issue 5, session g): the chunk (BT); the intra
     kernel's warps, pipeline stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state
     kernel's block of V, warps and stages; the segments the chunk list is cut into and whether each segment's
@@ -354,17 +354,19 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len):
     16-token chunks where the intra work dominates: a 16-row block needs no cross-block part, and 2-warp
     programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
     the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
-    per 32). Per token-head the intra kernel saves ~0.7 ns and the chain costs ~20 ns per token of the longest
-    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence. Where the chain is at least
-    half the intra time (below CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO: ~55 ns a token against
-    ~1.4 ns a token-head) and the longest sequence has ≥ 4096 tokens, the state kernels run per segment of
-    ~2048 tokens (at most 8) on a second stream beside the next segment's intra programs, with ~128 state
-    programs (BV) so that the SMs they share keep room for intra programs (one sequence: H=32 T=8192 −13%,
-    T=32768 −19%; H=16 −6% / −16%; H=64 −5%; more heads or more sequences lose). 32-token programs: 4 warps
-    capped at 128 registers (four per SM)."""
+    per 32). The intra kernel saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest
+    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence (measured: one sequence at
+    H=24 is 8% faster at 16, at H=16 12% slower). Where one sequence's chain is a large part of the work
+    (below CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO), that sequence has ≥ 4096 tokens and no
+    other is half as long (long_seqs = 1: segments follow token order, so a second long sequence's chain
+    would wait for the first's; 2×8192 at H=32 lost 10%), the state kernels run per segment of ~2048 tokens
+    (at most 8) on a second stream beside the next segment's intra programs, with ~128 state programs (BV)
+    so that the SMs they share keep room for intra programs (one sequence: H=32 T=8192 −13%, T=32768 −19%;
+    H=16 −6% / −16%; H=64 −5%, H=96 −3%). 32-token programs: 4 warps capped at 128 registers (four per SM)."""
     ratio = tokens * heads / max(max_len, 1)
-    segments = min(8, max_len // 2048)
-    overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, V * heads // 128)))
+    segments = min(8, max_len // 2048) if long_seqs == 1 else 1
+    programs_bv = 1 << max(V * heads // 128, 1).bit_length() - 1  # BV for ~128 state programs, a power of two
+    overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, programs_bv)))
     if ratio >= CHAIN_RATIO:
         cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
                    state_warps=4, state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
@@ -472,8 +474,10 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     o = torch.empty(T, H, V, device=dev, dtype=v.dtype)
     if n_seqs == 0 or (T == 0 and ht is None):
         return o
-    max_len = max(b - a for a, b in zip(cu_list, cu_list[1:]))
-    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len), **TUNE.get("prefill", {}), **(config or {})}
+    lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
+    max_len = max(lens)
+    long_seqs = sum(2 * n >= max_len for n in lens)
+    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs), **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
     chunks, pieces, segs, nc = _metadata(cu_list, dev, bt, cfg["segments"])
     it = q.dtype
