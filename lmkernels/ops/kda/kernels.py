@@ -8,11 +8,12 @@ boundary:
    Tb = T diag(β), W = Tb (K ⊙ e^Γ) (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
    e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
    (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
-   one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand); the L2 norms
-   of q and k are applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for
-   A. Other gates use one exponent per (i, j, d) (slower).
-2. `_kda_state` (one program per sequence, head and block of V columns, sequential over the chunks; the V
-   blocks of one sequence and head are launched next to each other, so W, Qg, Kg are read from DRAM once):
+   one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand; at BT = 16 one
+   block, plain 2D factors); the L2 norms of q and k are applied to A and Aqk afterwards as row and column
+   scales, so q, k and g are read once for A. Other gates use one exponent per (i, j, d) (slower).
+2. `_kda_state` (one program per piece of a sequence, head and block of V columns, sequential over the
+   piece's chunks; the V blocks of one piece and head are launched next to each other, so W, Qg, Kg are read
+   from DRAM once; pieces: the sequence cut where the chunk list is cut into segments, states carried across):
    U = Tb V (off the chain; storing U from the intra kernel instead cost 2 × T·H·V values of traffic, −3 to
    −6%), Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read
    from and written to a state pool.
