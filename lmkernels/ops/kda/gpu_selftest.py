@@ -194,7 +194,8 @@ def main():
             traceback.print_exc()
         dump()
     log("checks", time.time() - t0)
-    pv = [("base", {}), ("serial", {"segments": 1, "overlap": False}), ("bt32", BT32), ("bt64", {"BT": 64, "intra_warps": 8, "BK": 32, "intra_maxnreg": None}),
+    pv = [("base", {}), ("serial", {"segments": 1, "overlap": False}), ("bt32", BT32),
+          ("bt64", {"BT": 64, "intra_warps": 8, "BK": 32, "intra_maxnreg": None}),
           ("iw4", {"intra_warps": 4}), ("is2", {"intra_stages": 2}),
           ("bv16", {"BV": 16}), ("bv64", {"BV": 64}), ("sw8", {"state_warps": 8}), ("ss2", {"state_stages": 2}),
           ("ss1", {"state_stages": 1}), ("x3", {"PREC": "tf32x3"})]
