@@ -193,8 +193,8 @@ def _kda_cases(big, dev, dt):
     beta = torch.randn(n, h, device=dev, dtype=dt)
     pool = torch.randn(n + 3, h, K, K, device=dev) * 0.05
     idx = torch.randperm(n + 3, device=dev)[:n].to(torch.int32)
-    opts = dict(A_log=torch.log(torch.empty(h, device=dev).uniform_(1, 4)), dt_bias=torch.randn(h * K, device=dev) * 0.5,
-                lower_bound=-5.0, l2norm_qk=True, beta_sigmoid=True)
+    opts = dict(A_log=torch.log(torch.empty(h, device=dev).uniform_(1, 4)),
+                dt_bias=torch.randn(h * K, device=dev) * 0.5, lower_bound=-5.0, l2norm_qk=True, beta_sigmoid=True)
 
     def decode(reference):
         p = pool.double() if reference else pool.clone()
