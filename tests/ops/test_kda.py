@@ -247,10 +247,11 @@ def test_prefill_chunk_choice():
     assert prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
     assert prefill_config(128, 128, 1, 96, 8192, 8192)["BV"] == 64  # a power of two that divides V
     assert not prefill_config(128, 128, 1, 128, 8192, 8192)["overlap"]
-    assert not prefill_config(128, 128, 2, 32, 16384, 8192, 2)["overlap"]  # two long chains would queue
+    two = prefill_config(128, 128, 2, 32, 16384, 8192, 2)  # two long chains: ~128 state programs between them
+    assert two["overlap"] and two["segments"] == 4 and two["BV"] == 64
     few_heads = prefill_config(128, 128, 1, 16, 8192, 8192)
     assert few_heads["BT"] == 32 and few_heads["overlap"] and few_heads["segments"] == 4
-    assert not prefill_config(128, 128, 1, 16, 2048, 2048)["overlap"]  # too short to cut
+    assert not prefill_config(128, 128, 1, 16, 2000, 2000)["overlap"]  # too short to cut
 
 
 @pytest.mark.parametrize("segments", [2, 5])
@@ -282,19 +283,21 @@ def test_prefill_segments(monkeypatch, segments):
 
 
 def test_segment_table_pieces():
-    """Every chunk in exactly one piece; a piece's carry-out slot is the next piece's carry-in of its sequence."""
+    """Every chunk in exactly one piece, the segments partition the chunk table, each segment advances every
+    sequence that still has chunks, and a sequence's pieces hand their state on through one carry slot each."""
     from lmkernels.ops.kda.kernels import segment_table
 
     cu = [0, 70, 70, 71, 201, 234]
-    chunks, pieces, segs = segment_table(cu, 32, 5)
-    assert len(segs) == 5 and [s[1] - s[0] for s in segs] == [2, 2, 2, 2, 3]
-    covered = sorted(c for bos, eos, c0, n, cin, cout in pieces for c in range(c0, c0 + -(-(eos - bos) // 32)))
-    assert covered == list(range(len(chunks)))
+    chunks, pieces, segs, slots = segment_table(cu, 32, 5)
+    assert len(segs) == 5 and [s[0] for s in segs] == [0, *[s[1] for s in segs[:-1]]] and segs[-1][1] == len(chunks)
+    assert sorted(c for c, _ in chunks) == sorted(c for s, e in zip(cu, cu[1:]) for c in range(s, e, 32))
     by_seq = {}
-    for p in pieces:
-        by_seq.setdefault(p[3], []).append(p)
-    assert [len(by_seq[n]) for n in range(5)] == [2, 1, 1, 3, 1]
-    for ps in by_seq.values():
-        assert ps[0][4] == -1 and ps[-1][5] == -1 and ps[0][0] == cu[ps[0][3]] and ps[-1][1] == cu[ps[0][3] + 1]
+    for bos, eos, c0, n, cin, cout in pieces:
+        assert [c for c, _ in chunks[c0:c0 + -(-(eos - bos) // 32)]] == list(range(bos, eos, 32))
+        by_seq.setdefault(n, []).append((bos, eos, cin, cout))
+    assert [len(by_seq[n]) for n in range(5)] == [3, 1, 1, 5, 2]
+    assert sorted(p[5] for p in pieces if p[5] >= 0) == list(range(slots))
+    for n, ps in by_seq.items():
+        assert ps[0][2] == -1 and ps[-1][3] == -1 and ps[0][0] == cu[n] and ps[-1][1] == cu[n + 1]
         for x, y in zip(ps, ps[1:]):
-            assert x[5] == y[4] >= 0 and x[1] == y[0]
+            assert x[3] == y[2] >= 0 and x[1] == y[0]

@@ -357,16 +357,17 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
     per 32). The intra kernel saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest
     sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence (measured: one sequence at
-    H=24 is 8% faster at 16, at H=16 12% slower). Where one sequence's chain is a large part of the work
-    (below CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO), that sequence has ≥ 4096 tokens and no
-    other is half as long (long_seqs = 1: segments follow token order, so a second long sequence's chain
-    would wait for the first's; 2×8192 at H=32 lost 10%), the state kernels run per segment of ~2048 tokens
-    (at most 8) on a second stream beside the next segment's intra programs, with ~128 state programs (BV)
-    so that the SMs they share keep room for intra programs (one sequence: H=32 T=8192 −13%, T=32768 −19%;
-    H=16 −6% / −16%; H=64 −5%, H=96 −3%). 32-token programs: 4 warps capped at 128 registers (four per SM)."""
+    H=24 is 8% faster at 16, at H=16 12% slower). Where the chains are a large part of the work (below
+    CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO) and the longest sequence has ≥ 2048 tokens, the
+    state kernels run per segment (~2048 tokens of the longest sequence, 2 to 8; every sequence advances in
+    each) on a second stream beside the next segment's intra programs, with ~128 state programs (BV, for the
+    long_seqs sequences at least half as long as the longest) so that the SMs they share keep room for intra
+    programs. Measured: one sequence H=32 T=8192 −13%, T=32768 −19%; H=16 −6% / −16%; H=64 −5%, H=96 −3%;
+    2×8192 H=32 −6%, varlen [1300 … 3063] H=32 −6%; more chains (8×1024, 4×4096) lose. 32-token programs:
+    4 warps capped at 128 registers (four per SM)."""
     ratio = tokens * heads / max(max_len, 1)
-    segments = min(8, max_len // 2048) if long_seqs == 1 else 1
-    programs_bv = 1 << max(V * heads // 128, 1).bit_length() - 1  # BV for ~128 state programs, a power of two
+    segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
+    programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
     overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, programs_bv)))
     if ratio >= CHAIN_RATIO:
         cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
@@ -395,37 +396,37 @@ def decode_config(K, V, n, heads):
 
 
 def segment_table(cu_list, bt, n_segments):
-    """The chunks (start token, rows) in token order, never crossing a sequence; the chunk list cut into
-    segments [a, b) of near-equal length; per segment its pieces (first token, end token, first chunk,
-    sequence, carry slot in, carry slot out), a piece being the chunks of one sequence inside the segment.
-    The sequence crossing the boundary after segment s leaves its state in carry slot s for its next piece.
-    An empty sequence is a piece of no chunks (its final state is its initial state).
-    Returns (chunks, pieces, [(a, b, first piece, pieces) per segment])."""
-    chunks, first = [], []
-    for s, e in zip(cu_list, cu_list[1:]):
-        first.append(len(chunks))
-        chunks.extend((c, min(bt, e - c)) for c in range(s, e, bt))
-    first.append(len(chunks))
-    nc = len(chunks)
-    n_seg = max(1, min(n_segments, nc))
-    bounds = [i * nc // n_seg for i in range(n_seg + 1)]
-    by_seg = [[] for _ in range(n_seg)]
-    for n in range(len(cu_list) - 1):
-        lo, hi = first[n], first[n + 1]
-        if lo == hi:
-            by_seg[min(bisect.bisect_right(bounds, lo) - 1, n_seg - 1)].append((cu_list[n], cu_list[n], lo, n, -1, -1))
-        c = lo
-        while c < hi:
-            si = bisect.bisect_right(bounds, c) - 1
-            end = min(hi, bounds[si + 1])
-            eos = chunks[end - 1][0] + chunks[end - 1][1]
-            by_seg[si].append((chunks[c][0], eos, c, n, si - 1 if c > lo else -1, si if end < hi else -1))
-            c = end
-    pieces, segs = [], []
-    for si, ps in enumerate(by_seg):
-        segs.append((bounds[si], bounds[si + 1], len(pieces), len(ps)))
-        pieces.extend(ps)
-    return chunks, pieces, segs
+    """The chunks (start token, rows), never crossing a sequence, cut into segments: segment s holds the s-th
+    n_segments-th of every sequence's chunks, so the segments advance all sequences together. The chunk table
+    lists the segments one after the other (each a range [a, b) of it), and per segment its pieces (first
+    token, end token, first chunk in the table, sequence, carry slot in, carry slot out), a piece being a
+    sequence's chunks inside the segment: a piece leaves its state in a carry slot for the sequence's next
+    piece. An empty sequence is a piece of no chunks (its final state is its initial state).
+    Returns (chunks, pieces, [(a, b, first piece, pieces) per segment], carry slots)."""
+    per_seq = [[(c, min(bt, e - c)) for c in range(s, e, bt)] for s, e in zip(cu_list, cu_list[1:])]
+    n_seg = max(1, min(n_segments, max(len(c) for c in per_seq)))
+    chunks, pieces, segs = [], [], []
+    last_slot = [-1] * len(per_seq)  # the carry slot each sequence's next piece reads (−1: h0)
+    remaining = [len(c) for c in per_seq]
+    slots = 0
+    for si in range(n_seg):
+        a, p0 = len(chunks), len(pieces)
+        for n, cs in enumerate(per_seq):
+            lo, hi = si * len(cs) // n_seg, (si + 1) * len(cs) // n_seg
+            if lo == hi and not (si == 0 and not cs):
+                continue
+            part = cs[lo:hi]
+            remaining[n] -= len(part)
+            bos = part[0][0] if part else cu_list[n]
+            eos = part[-1][0] + part[-1][1] if part else cu_list[n]
+            out = -1
+            if remaining[n]:
+                out, slots = slots, slots + 1
+            pieces.append((bos, eos, len(chunks), n, last_slot[n], out))
+            last_slot[n] = out
+            chunks.extend(part)
+        segs.append((a, len(chunks), p0, len(pieces) - p0))
+    return chunks, pieces, segs, slots
 
 
 _META = {}
@@ -436,14 +437,15 @@ LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning repo
 
 
 def _metadata(cu_list, dev, bt, n_segments):
-    """segment_table on the device (chunks [nc, 2], pieces [P, 6] int32) and the segments on the host; cached
-    per batch layout so that a CUDA-graph capture after a warm-up call copies nothing to the device."""
+    """segment_table on the device (chunks [nc, 2], pieces [P, 6] int32), the segments and the number of carry
+    slots on the host; cached per batch layout so that a CUDA-graph capture after a warm-up call copies nothing to
+    the device."""
     key = (tuple(cu_list), str(dev), bt, n_segments)
     hit = _META.get(key)
     if hit is None:
-        chunks, pieces, segs = segment_table(cu_list, bt, n_segments)
+        chunks, pieces, segs, slots = segment_table(cu_list, bt, n_segments)
         hit = (torch.tensor(chunks if chunks else [(0, 0)], dtype=torch.int32).to(dev),
-               torch.tensor(pieces, dtype=torch.int32).to(dev), segs, len(chunks))
+               torch.tensor(pieces, dtype=torch.int32).to(dev), segs, len(chunks), slots)
         if len(_META) > 256:
             _META.clear()
         _META[key] = hit
@@ -480,7 +482,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     long_seqs = sum(2 * n >= max_len for n in lens)
     cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs), **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
-    chunks, pieces, segs, nc = _metadata(cu_list, dev, bt, cfg["segments"])
+    chunks, pieces, segs, nc, slots = _metadata(cu_list, dev, bt, cfg["segments"])
     it = q.dtype
     w = torch.empty(T, H, K, device=dev, dtype=it)
     qg = torch.empty(T, H, K, device=dev, dtype=it)
@@ -488,7 +490,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     tb = torch.empty(T, H, bt, device=dev, dtype=it)
     aqk = torch.empty(T, H, bt, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
-    carry = torch.empty(max(len(segs) - 1, 1), H, K, V, device=dev, dtype=torch.float32)
+    carry = torch.empty(max(slots, 1), H, K, V, device=dev, dtype=torch.float32)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     BV = cfg["BV"]
