@@ -13,7 +13,8 @@ boundary:
    scales, so q, k and g are read once for A. Other gates use one exponent per (i, j, d) (slower).
 2. `_kda_state` (one program per piece of a sequence, head and block of V columns, sequential over the
    piece's chunks; the V blocks of one piece and head are launched next to each other, so W, Qg, Kg are read
-   from DRAM once; pieces: the sequence cut where the chunk list is cut into segments, states carried across):
+   from DRAM once; a piece: a sequence's chunks inside one segment, each segment taking the same fraction of
+   every sequence; states carried from piece to piece):
    U = Tb V (off the chain; storing U from the intra kernel instead cost 2 × T·H·V values of traffic, −3 to
    −6%), Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read
    from and written to a state pool.
