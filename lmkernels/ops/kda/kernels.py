@@ -408,20 +408,18 @@ def segment_table(cu_list, bt, n_segments):
     n_seg = max(1, min(n_segments, max(len(c) for c in per_seq)))
     chunks, pieces, segs = [], [], []
     last_slot = [-1] * len(per_seq)  # the carry slot each sequence's next piece reads (−1: h0)
-    remaining = [len(c) for c in per_seq]
     slots = 0
     for si in range(n_seg):
         a, p0 = len(chunks), len(pieces)
         for n, cs in enumerate(per_seq):
             lo, hi = si * len(cs) // n_seg, (si + 1) * len(cs) // n_seg
-            if lo == hi and not (si == 0 and not cs):
+            if lo == hi and (cs or si > 0):  # nothing of this sequence here (an empty one goes in segment 0)
                 continue
             part = cs[lo:hi]
-            remaining[n] -= len(part)
             bos = part[0][0] if part else cu_list[n]
             eos = part[-1][0] + part[-1][1] if part else cu_list[n]
             out = -1
-            if remaining[n]:
+            if hi < len(cs):  # more of the sequence follows: hand the state on
                 out, slots = slots, slots + 1
             pieces.append((bos, eos, len(chunks), n, last_slot[n], out))
             last_slot[n] = out
