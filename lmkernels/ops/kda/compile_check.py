@@ -23,7 +23,8 @@ def state(cfg=None, dtype="bf16", k=128, v=128):
     cfg = {**K.prefill_config(k, v, 1, 32, 8192, 8192), **(cfg or {})}
     types = {n: "*" + dtype for n in ("w", "tb", "v", "qg", "kg", "aqk", "o")}
     types.update(gl="*fp32", pieces="*i32", h0="*fp32", h0_idx="*i32", ht="*fp32", ht_idx="*i32", carry="*fp32")
-    ce = dict(H=32, K=k, V=v, BV=cfg["BV"], BT=cfg["BT"], HAS_H0=True, STORE_HT=True, INTERPRET=False)
+    ce = dict(H=32, K=k, V=v, BV=cfg["BV"], BT=cfg["BT"], HAS_H0=True, STORE_HT=True, INTERPRET=False,
+              STAGES=cfg["state_stages"])
     return compile_kernel(K._kda_state, types, ce, cfg["state_warps"], cfg["state_stages"])
 
 

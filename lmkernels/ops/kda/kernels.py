@@ -253,7 +253,7 @@ def _kda_state(
     w, tb, v, qg, kg, aqk, gl, o, pieces, h0, h0_idx, ht, ht_idx, carry,
     s_vt, s_vh, s_ot, s_oh, s_h0, s_ht,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One piece of a sequence (its chunks inside one segment; a row of `pieces`: first token, end token, first
     chunk, sequence, carry slot in, carry slot out), one head, one block of V columns. The state comes from the
@@ -288,7 +288,7 @@ def _kda_state(
                              K, BT)
             c += 1
     else:
-        for c in range(0, nc):
+        for c in tl.range(0, nc, num_stages=STAGES):  # tl.range: Triton then pipelines the e^Γ_C load too
             S = _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H,
                              K, BT)
     if c_out >= 0:
@@ -519,7 +519,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0,
                 ht.stride(0) if ht is not None else 0,
                 H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
-                num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+                STAGES=cfg["state_stages"], num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     if side is not None:
         main.wait_stream(side)
     return o
