@@ -5,7 +5,7 @@ A development aid for the launch heuristics, not a test: it catches GPU-only com
 interpreter accepts, such as non-constexpr globals) and prints per configuration the registers, stack bytes
 (spills), shared memory, and the instructions that matter — wgmma (Hopper tensor cores), mma.sync
 (Ampere-style), cp.async (pipelined pointer loads) and cp.async.bulk.tensor (TMA). Pointers and the strides
-named stride_* (except those listed in NOT_ALIGNED) are declared 16-divisible, as triton's launcher does for
+named stride_* or s_* (except those listed in NOT_ALIGNED) are declared 16-divisible, as triton's launcher does for
 typical shapes; without that, loads do not vectorise and the pipeliner does nothing. Uses triton internals
 (ASTSource, GPUTarget, the bundled cuobjdump) as of triton 3.6.
 """
@@ -25,7 +25,7 @@ from . import kernels as K
 TARGET = GPUTarget("cuda", 90, 32)
 NOT_ALIGNED = {"stride_lh", "stride_lt", "stride_lb", "stride_ls", "stride_plb", "stride_plt", "stride_plh",
                "stride_pls", "stride_lan", "stride_lah", "stride_lbn", "stride_lbh", "stride_bt", "stride_kscale",
-               "stride_vscale"}
+               "stride_vscale", "s_bh"}
 
 
 def compile_kernel(fn, types, constexprs, num_warps, num_stages, **options):
@@ -33,7 +33,7 @@ def compile_kernel(fn, types, constexprs, num_warps, num_stages, **options):
     options (maxnreg)."""
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in constexprs and (sig[n].startswith("*") or (n.startswith("stride_") and n not in NOT_ALIGNED))}
+             if n not in constexprs and (sig[n].startswith("*") or ((n.startswith("stride_") or n.startswith("s_")) and n not in NOT_ALIGNED))}
     k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     ptx = k.asm["ptx"]

@@ -14,7 +14,7 @@ def intra(cfg=None, gate=2, dtype="bf16", k=128, v=128):
     types.update(A_log="*fp32", dt_bias="*fp32", gl="*fp32", chunks="*i32", scale="fp32", lower_bound="fp32")
     ce = dict(H=32, K=k, BT=cfg["BT"], BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
               SAFE=gate == 2 and bool(cfg["SAFE"]), PREC=cfg["PREC"], NSQ=cfg["BT"].bit_length() - 2,
-              BKW=min(cfg["BKW"], k))
+              BKW=min(cfg["BKW"], k), FAST=True)
     return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"],
                           **K.intra_compile_options(cfg))
 

@@ -42,16 +42,28 @@ SAFE_MIN_LOWER_BOUND = -8.0
 
 
 @triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """e^x. FAST (compiled kernels; the interpreter has no inline PTX): ex2.approx.ftz, which skips the denormal
+    fix-up ptxas wraps around a plain ex2.approx.f32 (two compares, selects and multiplies per exponential, 13%
+    of the intra kernel's instructions). Results below 2^-126 flush to 0, which the block-reference bound
+    (SAFE_MIN_LOWER_BOUND) already counts as lost."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.exp(x)
+
+
+@triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
 
 
 @triton.jit
-def _gate(x, a, lower_bound, GATE: tl.constexpr):
+def _gate(x, a, lower_bound, GATE: tl.constexpr, FAST: tl.constexpr = False):
     if GATE == 1:
         x = -a * _softplus(x)
     elif GATE == 2:
-        x = lower_bound * tl.sigmoid(a * x)
+        x = lower_bound / (1.0 + _exp(-a * x, FAST))
     return x
 
 
@@ -67,23 +79,23 @@ def _load_raw(q, k, g, tok, hh, c0, ok, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK: 
 
 @triton.jit
 def _gated(bq, bk, bg, hh, c0, rm, a, dt_bias, lower_bound, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-           HAS_BIAS: tl.constexpr):
+           HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
     """q and k (not normalised) in fp32 and the log decay g gated (0 on padded rows)."""
     bg = bg.to(tl.float32)
     if GATE > 0:
         if HAS_BIAS:
             bg = bg + tl.load(dt_bias + hh * K + c0 + tl.arange(0, BK)).to(tl.float32)[None, :]
-        bg = _gate(bg, a, lower_bound, GATE)
+        bg = _gate(bg, a, lower_bound, GATE, FAST)
     bg = tl.where(rm[:, None], bg, 0.0)
     return bq.to(tl.float32), bk.to(tl.float32), bg
 
 
 @triton.jit
 def _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
-               K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+               K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
     """Columns c0 … c0 + BK of the chunk's q, k (not normalised) and log decay g (gated, 0 on padded rows)."""
     bq, bk, bg = _load_raw(q, k, g, tok, hh, c0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
-    return _gated(bq, bk, bg, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS)
+    return _gated(bq, bk, bg, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS, FAST)
 
 
 @triton.jit
@@ -101,7 +113,7 @@ def _kda_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
-    L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr,
 ):
     ic = tl.program_id(0)
     hh = tl.program_id(1)
@@ -138,7 +150,7 @@ def _kda_intra(
         Aq = tl.zeros([BT, BT], tl.float32)
         nq, nk, ng = _load_raw(q, k, g, tok, hh, 0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
         for c0 in tl.range(0, K, BK):
-            bq, bk, bg = _gated(nq, nk, ng, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS)
+            bq, bk, bg = _gated(nq, nk, ng, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS, FAST)
             nq, nk, ng = _load_raw(q, k, g, tok, hh, c0 + BK, rm & (c0 + BK < K), s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
                                    BK)
             if L2:
@@ -147,17 +159,17 @@ def _kda_intra(
             G = tl.cumsum(bg, 0)
             if NB == 1:  # 16-token chunks: one block, so plain 2D factors (no block-diagonal operand)
                 M1 = tl.sum(tl.where(r[:, None] == BS // 2 - 1, G, 0.0), 0)
-                k_col = bk * tl.exp(M1[None, :] - G)
-                e_row = tl.exp(G - M1[None, :])
+                k_col = bk * _exp(M1[None, :] - G, FAST)
+                e_row = _exp(G - M1[None, :], FAST)
                 A = tl.dot(bk * e_row, tl.trans(k_col), A, input_precision=PREC)
                 Aq = tl.dot(bq * e_row, tl.trans(k_col), Aq, input_precision=PREC)
             else:
                 M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
                 after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
-                er = tl.exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")))  # [BT, NB, BK]
+                er = _exp(tl.where(after, G[:, None, :] - M[None, :, :], float("-inf")), FAST)  # [BT, NB, BK]
                 inblk = (r // BS)[None, :, None] == nb[:, None, None]  # [NB, BT, 1]
                 Mown = tl.reshape(tl.broadcast_to(M[:, None, :], [NB, BS, BK]), [BT, BK])  # each row's own reference
-                ec = tl.where(inblk, (bk * tl.exp(Mown - G))[None, :, :], 0.0)
+                ec = tl.where(inblk, (bk * _exp(Mown - G, FAST))[None, :, :], 0.0)
                 ct = tl.reshape(tl.permute(ec, (0, 2, 1)), [NB * BK, BT])
                 A = tl.dot(tl.reshape(bk[:, None, :] * er, [BT, NB * BK]), ct, A, input_precision=PREC)
                 Aq = tl.dot(tl.reshape(bq[:, None, :] * er, [BT, NB * BK]), ct, Aq, input_precision=PREC)
@@ -211,18 +223,18 @@ def _kda_intra(
     Tb = (Tm * bb[None, :]).to(dt)
     for c0 in tl.static_range(0, K, BKW):
         bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
-                                s_gh, K, BKW, GATE, HAS_BIAS)
+                                s_gh, K, BKW, GATE, HAS_BIAS, FAST)
         bq = bq * rq[:, None]
         bk = bk * rk[:, None]
         G = tl.cumsum(bg, 0)
         Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
-        eG = tl.exp(G)
+        eG = _exp(G, FAST)
         dk = c0 + tl.arange(0, BKW)
         ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
         tl.store(w + ot, tl.dot(Tb, (bk * eG).to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
         tl.store(qg + ot, (bq * eG * scale).to(dt), mask=rm[:, None])
-        tl.store(kg + ot, (bk * tl.exp(Glast[None, :] - G)).to(dt), mask=rm[:, None])
-        tl.store(gl + (ic * H + hh) * K + dk, tl.exp(Glast))
+        tl.store(kg + ot, (bk * _exp(Glast[None, :] - G, FAST)).to(dt), mask=rm[:, None])
+        tl.store(gl + (ic * H + hh) * K + dk, _exp(Glast, FAST))
     tl.store(tb + tok[:, None] * (H * BT) + hh * BT + r[None, :], Tb, mask=rm[:, None])
 
 
@@ -505,7 +517,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 beta.stride(1), float(scale), float(lower_bound or 0.0),
                 H=H, K=K, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
                 BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
-                BKW=min(cfg["BKW"], K), num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
+                BKW=min(cfg["BKW"], K), FAST=not interpreting() and not TUNE.get("slow_exp"),
+                num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
                 **intra_compile_options(cfg))
         if TUNE.get("skip_state") or n_pieces == 0:
             continue
