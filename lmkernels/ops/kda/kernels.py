@@ -114,6 +114,7 @@ def _kda_intra(
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr,
+    A16: tl.constexpr = False,
 ):
     ic = tl.program_id(0)
     hh = tl.program_id(1)
@@ -161,8 +162,13 @@ def _kda_intra(
                 M1 = tl.sum(tl.where(r[:, None] == BS // 2 - 1, G, 0.0), 0)
                 k_col = bk * _exp(M1[None, :] - G, FAST)
                 e_row = _exp(G - M1[None, :], FAST)
-                A = tl.dot(bk * e_row, tl.trans(k_col), A, input_precision=PREC)
-                Aq = tl.dot(bq * e_row, tl.trans(k_col), Aq, input_precision=PREC)
+                if A16:  # bf16 operands (the factors reach e^{8|lb|}: beyond fp16)
+                    kc16 = tl.trans(k_col.to(tl.bfloat16))
+                    A = tl.dot((bk * e_row).to(tl.bfloat16), kc16, A)
+                    Aq = tl.dot((bq * e_row).to(tl.bfloat16), kc16, Aq)
+                else:
+                    A = tl.dot(bk * e_row, tl.trans(k_col), A, input_precision=PREC)
+                    Aq = tl.dot(bq * e_row, tl.trans(k_col), Aq, input_precision=PREC)
             else:
                 M = tl.sum(tl.where(js[None, :, None] == BS // 2 - 1, tl.reshape(G, [NB, BS, BK]), 0.0), 1)  # [NB, BK]
                 after = r[:, None, None] >= (nb * BS)[None, :, None]  # [BT, NB, 1]
@@ -266,6 +272,7 @@ def _kda_state(
     s_vt, s_vh, s_ot, s_oh, s_h0, s_ht,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr, STAGES: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):
     """One piece of a sequence (its chunks inside one segment; a row of `pieces`: first token, end token, first
     chunk, sequence, carry slot in, carry slot out), one head, one block of V columns. The state comes from the
@@ -300,7 +307,7 @@ def _kda_state(
                              K, BT)
             c += 1
     else:
-        for c in tl.range(0, nc, num_stages=STAGES):  # tl.range: Triton then pipelines the e^Γ_C load too
+        for c in tl.range(0, nc, num_stages=STAGES, loop_unroll_factor=UNROLL):  # tl.range: Triton then pipelines the e^Γ_C load too
             S = _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H,
                              K, BT)
     if c_out >= 0:
@@ -384,7 +391,7 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, programs_bv)))
     if ratio >= CHAIN_RATIO:
         cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
-                   state_warps=4, state_stages=3, PREC="tf32", SAFE=1, segments=1, overlap=False)
+                   state_warps=4, state_stages=3, PREC="tf32", A16=1, SAFE=1, segments=1, overlap=False)
         if ratio <= OVERLAP_RATIO and segments >= 2:
             cfg.update(overlap)
         return cfg
@@ -518,6 +525,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 H=H, K=K, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
                 BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
                 BKW=min(cfg["BKW"], K), FAST=not interpreting() and not TUNE.get("slow_exp"),
+                A16=bool(cfg.get("A16")) and it == torch.bfloat16,
                 num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
                 **intra_compile_options(cfg))
         if TUNE.get("skip_state") or n_pieces == 0:
@@ -532,7 +540,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0,
                 ht.stride(0) if ht is not None else 0,
                 H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
-                STAGES=cfg["state_stages"], num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+                STAGES=cfg["state_stages"], UNROLL=cfg.get("state_unroll", 1), num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     if side is not None:
         main.wait_stream(side)
     return o
