@@ -282,6 +282,23 @@ def test_prefill_segments(monkeypatch, segments):
     assert torch.equal(p2[idx[1]], h0[idx[1]])  # the empty sequence keeps its state
 
 
+def test_prefill_offset_widths(monkeypatch):
+    """int32 token offsets (what the kernels use below 2^31 elements) and int64 ones give the same values."""
+    from lmkernels.ops.kda import kernels
+
+    H, K, V = 2, 64, 64
+    cu = torch.tensor([0, 19, 20, 71])
+    q, k, v, f, b = inputs(1, 71, H, K, V, torch.float32)
+    kw = dict(gate_kwargs("safe", H, K), l2norm_qk=True, beta_sigmoid=True)
+    runs = []
+    for i64 in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "i64", i64)
+        runs.append(kda_prefill(q, k, v, f, b, cu_seqlens=cu, output_final_state=True, **kw))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    ro, rS = ref_run(q, k, v, f, b, kw, cu_seqlens=cu)
+    assert rel(runs[0][0], ro) < TOL[torch.float32] and rel(runs[0][1], rS) < TOL[torch.float32]
+
+
 def test_segment_table_pieces():
     """Every chunk in exactly one piece, the segments partition the chunk table, each segment advances every
     sequence that still has chunks, and a sequence's pieces hand their state on through one carry slot each."""

@@ -114,11 +114,13 @@ def _kda_intra(
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr,
-    A16: tl.constexpr = False,
+    A16: tl.constexpr = False, I64: tl.constexpr = True,
 ):
     ic = tl.program_id(0)
     hh = tl.program_id(1)
-    start = tl.load(chunks + 2 * ic).to(tl.int64)
+    start = tl.load(chunks + 2 * ic)
+    if I64:
+        start = start.to(tl.int64)
     n = tl.load(chunks + 2 * ic + 1)
     r = tl.arange(0, BT)
     rm = r < n
@@ -272,7 +274,7 @@ def _kda_state(
     s_vt, s_vh, s_ot, s_oh, s_h0, s_ht,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr, STAGES: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    I64: tl.constexpr = True,
 ):
     """One piece of a sequence (its chunks inside one segment; a row of `pieces`: first token, end token, first
     chunk, sequence, carry slot in, carry slot out), one head, one block of V columns. The state comes from the
@@ -282,8 +284,11 @@ def _kda_state(
     iv = tl.program_id(0) % (V // BV)
     row = pieces + (tl.program_id(0) // (V // BV)) * 6
     hh = tl.program_id(1)
-    bos = tl.load(row).to(tl.int64)
-    eos = tl.load(row + 1).to(tl.int64)
+    bos = tl.load(row)  # token offsets in int32 where they fit (I64 False): 9% fewer instructions per step
+    eos = tl.load(row + 1)
+    if I64:
+        bos = bos.to(tl.int64)
+        eos = eos.to(tl.int64)
     c0 = tl.load(row + 2)
     nn = tl.load(row + 3)
     c_in = tl.load(row + 4).to(tl.int64)
@@ -307,7 +312,7 @@ def _kda_state(
                              K, BT)
             c += 1
     else:
-        for c in tl.range(0, nc, num_stages=STAGES, loop_unroll_factor=UNROLL):  # tl.range: Triton then pipelines the e^Γ_C load too
+        for c in tl.range(0, nc, num_stages=STAGES):  # tl.range: Triton then pipelines the e^Γ_C load too
             S = _state_chunk(S, c, c0, bos, eos, w, tb, v, s_vt, s_vh, qg, kg, aqk, gl, o, s_ot, s_oh, hh, r, dk, dv, H,
                              K, BT)
     if c_out >= 0:
@@ -449,7 +454,8 @@ def segment_table(cu_list, bt, n_segments):
 
 _META = {}
 _SIDE_STREAMS = {}
-# overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool}
+# overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool,
+# "slow_exp": bool, "i64": bool}
 TUNE = {}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
@@ -512,6 +518,10 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     BV = cfg["BV"]
+    # int64 offsets only where the largest element offset formed from a token index (padded rows of the last chunk
+    # included) would not fit int32
+    row_stride = max(H * max(K, V, bt), q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0))
+    i64 = TUNE.get("i64", (T + bt) * row_stride >= 2**31)
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
@@ -525,7 +535,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 H=H, K=K, BT=bt, BS=BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2),
                 BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
                 BKW=min(cfg["BKW"], K), FAST=not interpreting() and not TUNE.get("slow_exp"),
-                A16=bool(cfg.get("A16")) and it == torch.bfloat16,
+                A16=bool(cfg.get("A16")) and it == torch.bfloat16, I64=i64,
                 num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
                 **intra_compile_options(cfg))
         if TUNE.get("skip_state") or n_pieces == 0:
@@ -540,7 +550,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0,
                 ht.stride(0) if ht is not None else 0,
                 H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
-                STAGES=cfg["state_stages"], UNROLL=cfg.get("state_unroll", 1), num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+                STAGES=cfg["state_stages"], I64=i64, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     if side is not None:
         main.wait_stream(side)
     return o
