@@ -189,11 +189,13 @@ def test_cpu_reference_path(monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [{"BK": 16, "BKW": 32}, {"BK": 64, "BKW": 128}, {"BT": 64, "BK": 32, "BKW": 64},
-                                 {"BT": 16, "BK": 32, "BKW": 64, "BV": 64, "intra_warps": 2}])
+                                 {"BT": 16, "BK": 32, "BKW": 64, "BV": 64, "intra_warps": 2},
+                                 {"BT": 16, "BK": 32, "BKW": 64, "BV": 64, "intra_warps": 2, "onepass": True}])
 @pytest.mark.parametrize("l2", [True, False])
 def test_prefill_launch_configs(monkeypatch, cfg, l2):
-    """Other blocks of key channels for A (BK) and for W/U (BKW), 16- and 64-token chunks, with and without the
-    fused L2 norm (the safe-gate path applies the norms to A and Aqk as row/column scales): the same results."""
+    """Other blocks of key channels for A (BK) and for W/U (BKW), 16- and 64-token chunks, the 16-token W pass
+    from the stored K ⊙ e^Γ (onepass), with and without the fused L2 norm (the safe-gate path applies the norms
+    to A and Aqk as row/column scales): the same results."""
     from lmkernels.ops.kda import kernels
 
     monkeypatch.setitem(kernels.TUNE, "prefill", cfg)
@@ -242,7 +244,8 @@ def test_prefill_chunk_choice():
     assert prefill_config(128, 128, 2, 8, 65536, 32768, 2)["BT"] == 32
     # the state kernels beside the intra kernel only where one sequence's chain is at least half the work
     one = prefill_config(128, 128, 1, 32, 32768, 32768)
-    assert one["overlap"] and one["segments"] == 8 and one["BV"] == 32
+    assert one["overlap"] and one["segments"] == 8 and one["BV"] == 32 and not one["onepass"]
+    assert prefill_config(128, 128, 8, 32, 8192, 1024)["onepass"]
     assert not prefill_config(128, 128, 8, 32, 8192, 1024)["overlap"]
     assert prefill_config(128, 128, 1, 96, 8192, 8192)["overlap"]
     assert prefill_config(128, 128, 1, 96, 8192, 8192)["BV"] == 64  # a power of two that divides V

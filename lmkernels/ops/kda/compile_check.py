@@ -14,7 +14,8 @@ def intra(cfg=None, gate=2, dtype="bf16", k=128, v=128):
     types.update(A_log="*fp32", dt_bias="*fp32", gl="*fp32", chunks="*i32", scale="fp32", lower_bound="fp32")
     ce = dict(H=32, K=k, BT=cfg["BT"], BS=K.BS, BK=cfg["BK"], GATE=gate, HAS_BIAS=True, L2=True, BETA_SIG=True,
               SAFE=gate == 2 and bool(cfg["SAFE"]), PREC=cfg["PREC"], NSQ=cfg["BT"].bit_length() - 2,
-              BKW=min(cfg["BKW"], k), FAST=True)
+              BKW=min(cfg["BKW"], k), FAST=True, A16=bool(cfg.get("A16")) and dtype == "bf16", I64=False,
+              ONEPASS=bool(cfg.get("onepass")))
     return compile_kernel(K._kda_intra, types, ce, cfg["intra_warps"], cfg["intra_stages"],
                           **K.intra_compile_options(cfg))
 
@@ -24,7 +25,7 @@ def state(cfg=None, dtype="bf16", k=128, v=128):
     types = {n: "*" + dtype for n in ("w", "tb", "v", "qg", "kg", "aqk", "o")}
     types.update(gl="*fp32", pieces="*i32", h0="*fp32", h0_idx="*i32", ht="*fp32", ht_idx="*i32", carry="*fp32")
     ce = dict(H=32, K=k, V=v, BV=cfg["BV"], BT=cfg["BT"], HAS_H0=True, STORE_HT=True, INTERPRET=False,
-              STAGES=cfg["state_stages"])
+              STAGES=cfg["state_stages"], I64=False)
     return compile_kernel(K._kda_state, types, ce, cfg["state_warps"], cfg["state_stages"])
 
 

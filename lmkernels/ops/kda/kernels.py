@@ -6,11 +6,13 @@ boundary:
    Γ = within-chunk cumulative decay; A (β-scaled k·k with decays, strictly lower) and Aqk (q·k with decays,
    lower with the diagonal); T = (I + A)⁻¹ by Neumann doubling (A is nilpotent: (I − A)(I + A²)…(I + A^(BT/2)));
    Tb = T diag(β), W = Tb (K ⊙ e^Γ) (dots in the input dtype), Qg = scale·Q ⊙ e^Γ, Kg = K ⊙ e^(Γ_C − Γ),
-   e^Γ_C. exp(Γ_i − Γ_j) is never split around a point outside a safe range: with the fused safe gate
-   (lower_bound ≥ −8) each 16-row block uses the Γ of its middle row as reference (factors ≤ e^{8|lb|}) and
-   one dot per block of BK key channels covers all BT/16 blocks (block-diagonal right operand; at BT = 16 one
-   block, plain 2D factors); the L2 norms of q and k are applied to A and Aqk afterwards as row and column
-   scales, so q, k and g are read once for A. Other gates use one exponent per (i, j, d) (slower).
+   e^Γ_C (ONEPASS, 16-token chunks: the row norms first, Qg, Kg and K ⊙ e^Γ stored from the A steps, W formed in
+   place; otherwise a second pass over q, k, g recomputes the gate and Γ). exp(Γ_i − Γ_j) is never split around
+   a point outside a safe range: with the fused safe gate (lower_bound ≥ −8) each 16-row block uses the Γ of
+   its middle row as reference (factors ≤ e^{8|lb|}) and one dot per block of BK key channels covers all BT/16
+   blocks (block-diagonal right operand; at BT = 16 one block, plain 2D factors); the L2 norms of q and k are
+   applied to A and Aqk afterwards as row and column scales, so q, k and g are read once for A. Other gates use
+   one exponent per (i, j, d) (slower). Exponentials are ex2.approx.ftz (`_exp`).
 2. `_kda_state` (one program per piece of a sequence, head and block of V columns, sequential over the
    piece's chunks; the V blocks of one piece and head are launched next to each other, so W, Qg, Kg are read
    from DRAM once; a piece: a sequence's chunks inside one segment, each segment taking the same fraction of
@@ -114,7 +116,7 @@ def _kda_intra(
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIG: tl.constexpr, SAFE: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, NSQ: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr,
-    A16: tl.constexpr = False, I64: tl.constexpr = True,
+    A16: tl.constexpr = False, I64: tl.constexpr = True, ONEPASS: tl.constexpr = False,
 ):
     ic = tl.program_id(0)
     hh = tl.program_id(1)
@@ -151,19 +153,39 @@ def _kda_intra(
         js = tl.arange(0, BS)
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
+        if ONEPASS and L2:  # the row norms first, so that the A steps can store Qg, Kg and K ⊙ e^Γ
+            for c0 in tl.static_range(0, K, BKW):
+                xq, xk, _ = _load_raw(q, k, g, tok, hh, c0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BKW)
+                xq = xq.to(tl.float32)
+                xk = xk.to(tl.float32)
+                sq += tl.sum(xq * xq, 1)
+                sk += tl.sum(xk * xk, 1)
+        rq = _inv_norm(sq, L2)
+        rk = _inv_norm(sk, L2)
         nq, nk, ng = _load_raw(q, k, g, tok, hh, 0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
         for c0 in tl.range(0, K, BK):
             bq, bk, bg = _gated(nq, nk, ng, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS, FAST)
             nq, nk, ng = _load_raw(q, k, g, tok, hh, c0 + BK, rm & (c0 + BK < K), s_qt, s_qh, s_kt, s_kh, s_gt, s_gh,
                                    BK)
-            if L2:
+            if L2 and not ONEPASS:
                 sq += tl.sum(bq * bq, 1)
                 sk += tl.sum(bk * bk, 1)
             G = tl.cumsum(bg, 0)
             if NB == 1:  # 16-token chunks: one block, so plain 2D factors (no block-diagonal operand)
                 M1 = tl.sum(tl.where(r[:, None] == BS // 2 - 1, G, 0.0), 0)
-                k_col = bk * _exp(M1[None, :] - G, FAST)
+                em = _exp(M1[None, :] - G, FAST)
+                k_col = bk * em
                 e_row = _exp(G - M1[None, :], FAST)
+                if ONEPASS:  # e^Γ = e^(Γ−M)·e^M, e^(Γ_C−Γ) = e^(M−Γ)·e^(Γ_C−M): each factor within fp32
+                    Gl = tl.sum(tl.where(r[:, None] == BT - 1, G, 0.0), 0)  # Γ_C (padded rows have g = 0)
+                    eG = e_row * _exp(M1, FAST)[None, :]
+                    dk = c0 + tl.arange(0, BK)
+                    ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
+                    dt = w.dtype.element_ty
+                    tl.store(qg + ot, (bq * eG * (rq * scale)[:, None]).to(dt), mask=rm[:, None])
+                    tl.store(kg + ot, (k_col * _exp(Gl - M1, FAST)[None, :] * rk[:, None]).to(dt), mask=rm[:, None])
+                    tl.store(w + ot, (bk * eG * rk[:, None]).to(dt), mask=rm[:, None])  # K ⊙ e^Γ, W in place later
+                    tl.store(gl + (ic * H + hh) * K + dk, _exp(Gl, FAST))
                 if A16:  # bf16 operands (the factors reach e^{8|lb|}: beyond fp16)
                     kc16 = tl.trans(k_col.to(tl.bfloat16))
                     A = tl.dot((bk * e_row).to(tl.bfloat16), kc16, A)
@@ -229,7 +251,13 @@ def _kda_intra(
     # cores for 16-bit inputs)
     dt = w.dtype.element_ty
     Tb = (Tm * bb[None, :]).to(dt)
-    for c0 in tl.static_range(0, K, BKW):
+    if ONEPASS:
+        tl.debug_barrier()  # K ⊙ e^Γ, stored by every thread of the program
+        for c0 in tl.static_range(0, K, BKW):
+            ot = tok[:, None] * (H * K) + hh * K + (c0 + tl.arange(0, BKW))[None, :]
+            ke = tl.load(w + ot, mask=rm[:, None], other=0.0)
+            tl.store(w + ot, tl.dot(Tb, ke, input_precision=PREC).to(dt), mask=rm[:, None])
+    for c0 in tl.static_range(0, K * (1 - ONEPASS), BKW):
         bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
                                 s_gh, K, BKW, GATE, HAS_BIAS, FAST)
         bq = bq * rq[:, None]
@@ -389,14 +417,17 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     long_seqs sequences at least half as long as the longest) so that the SMs they share keep room for intra
     programs. Measured: one sequence H=32 T=8192 −13%, T=32768 −19%; H=16 −6% / −16%; H=64 −5%, H=96 −3%;
     2×8192 H=32 −6%, varlen [1300 … 3063] H=32 −6%; more chains (8×1024, 4×4096) lose. 32-token programs:
-    4 warps capped at 128 registers (four per SM)."""
+    4 warps capped at 128 registers (four per SM). 16-token chunks also take the A dots in bf16 for bf16 inputs
+    (A16: −3 to −6%, error 3.6e-3 → 4.0e-3 against fla's 4.5e-3) and store Qg, Kg and K ⊙ e^Γ from the A steps
+    (onepass: −1.3 to −3%, except beside a BV-32 chain, where it is 2% slower; session h)."""
     ratio = tokens * heads / max(max_len, 1)
     segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
     programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
-    overlap = dict(segments=segments, overlap=True, BV=max(32, min(V, programs_bv)))
+    bv = max(32, min(V, programs_bv))
+    overlap = dict(segments=segments, overlap=True, BV=bv, onepass=bv >= 64)
     if ratio >= CHAIN_RATIO:
         cfg = dict(BT=16, intra_warps=2, intra_stages=3, intra_maxnreg=128, BK=32, BKW=64, BV=min(64, V),
-                   state_warps=4, state_stages=3, PREC="tf32", A16=1, SAFE=1, segments=1, overlap=False)
+                   state_warps=4, state_stages=3, PREC="tf32", A16=1, onepass=True, SAFE=1, segments=1, overlap=False)
         if ratio <= OVERLAP_RATIO and segments >= 2:
             cfg.update(overlap)
         return cfg
@@ -536,6 +567,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
                 BETA_SIG=bool(beta_sig), SAFE=safe, PREC=cfg["PREC"], NSQ=bt.bit_length() - 2,
                 BKW=min(cfg["BKW"], K), FAST=not interpreting() and not TUNE.get("slow_exp"),
                 A16=bool(cfg.get("A16")) and it == torch.bfloat16, I64=i64,
+                ONEPASS=bool(cfg.get("onepass")) and safe and bt == BS,
                 num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"],
                 **intra_compile_options(cfg))
         if TUNE.get("skip_state") or n_pieces == 0:
