@@ -163,12 +163,14 @@ def _once(fn):
 
 def _kda_cases(big, dev, dt):
     """Prefill with the gate, L2 norm and β sigmoid fused, initial and final states: a ragged batch with a
-    length-1 sequence (16-token chunks on the GPU) and, on the GPU, one long sequence over 32 and over 8 heads
-    (16- and 32-token chunks, state recurrence beside the chunk work on a second stream); recurrent decode of
-    one token per sequence against a shuffled state pool (the output and the updated states compared)."""
+    length-1 sequence (16-token chunks on the GPU) and, on the GPU, a batch of shorter sequences (16-token chunks
+    with Qg, Kg stored from the A steps), one long sequence over 32 and over 8 heads (16- and 32-token chunks,
+    state recurrence beside the chunk work on a second stream); recurrent decode of one token per sequence
+    against a shuffled state pool (the output and the updated states compared)."""
     ref = kda.reference
     K = 128 if big else 64
-    shapes = (([1, 700, 2049], 32), ([8192], 32), ([8192], 8)) if big else (([1, 17, 40], 2),)
+    shapes = (([1, 700, 2049], 32), ([1000, 1024, 1, 1024, 1023], 32), ([8192], 32), ([8192], 8)) if big else (
+        ([1, 17, 40], 2),)
     for lens, h in shapes:
         cu = torch.tensor([0, *lens]).cumsum(0)
         q, k, v = (torch.randn(1, sum(lens), h, K, device=dev, dtype=dt) for _ in range(3))
