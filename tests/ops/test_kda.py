@@ -304,7 +304,8 @@ def test_prefill_offset_widths(monkeypatch):
 
 def test_segment_table_pieces():
     """Every chunk in exactly one piece, the segments partition the chunk table, each segment advances every
-    sequence that still has chunks, and a sequence's pieces hand their state on through one carry slot each."""
+    sequence that still has chunks and lists its pieces longest first, and a sequence's pieces hand their state
+    on through one carry slot each."""
     from lmkernels.ops.kda.kernels import segment_table
 
     cu = [0, 70, 70, 71, 201, 234]
@@ -317,6 +318,8 @@ def test_segment_table_pieces():
         by_seq.setdefault(n, []).append((bos, eos, cin, cout))
     assert [len(by_seq[n]) for n in range(5)] == [3, 1, 1, 5, 2]
     assert sorted(p[5] for p in pieces if p[5] >= 0) == list(range(slots))
+    sizes = [[eos - bos for bos, eos, *_ in pieces[p0:p0 + n_p]] for _, _, p0, n_p in segs]
+    assert all(z == sorted(z, reverse=True) for z in sizes) and sizes[0] != sorted(sizes[0])
     for n, ps in by_seq.items():
         assert ps[0][2] == -1 and ps[-1][3] == -1 and ps[0][0] == cu[n] and ps[-1][1] == cu[n + 1]
         for x, y in zip(ps, ps[1:]):
