@@ -409,8 +409,8 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     state kernel runs beside the next segment's intra kernel (overlap).
     16-token chunks where the intra work dominates: a 16-row block needs no cross-block part, and 2-warp
     programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
-    the state kernel's chain of chunk updates then takes twice the steps (0.88 µs per 16 tokens against 1.12
-    per 32). The intra kernel saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest
+    the state kernel's chain of chunk updates then takes twice the steps (session g: 0.88 µs per 16 tokens
+    against 1.12 per 32; session h: 0.70 against 1.05, at ~5.3 cycles per instruction). The intra kernel saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest
     sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence (measured: one sequence at
     H=24 is 8% faster at 16, at H=16 12% slower). Where the chains are a large part of the work (below
     CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO) and the longest sequence has ≥ 2048 tokens, the
