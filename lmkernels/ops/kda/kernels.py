@@ -101,6 +101,20 @@ def _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_
 
 
 @triton.jit
+def _sums_of_squares(q, k, tok, hh, rm, s_qt, s_qh, s_kt, s_kh, K: tl.constexpr, BK: tl.constexpr):
+    """Per row, Σ q² and Σ k² over the key channels (a pass of its own, BK channels at a time)."""
+    sq = tl.zeros(tok.shape, tl.float32)
+    sk = tl.zeros(tok.shape, tl.float32)
+    for c0 in tl.static_range(0, K, BK):
+        dk = c0 + tl.arange(0, BK)
+        x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, 1)
+        sk += tl.sum(y * y, 1)
+    return sq, sk
+
+
+@triton.jit
 def _inv_norm(sum_sq, L2: tl.constexpr):
     """Row scales of the L2 norm, 1 / sqrt(|x|² + 1e-6) (ones without L2)."""
     if L2:
@@ -154,12 +168,7 @@ def _kda_intra(
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
         if ONEPASS and L2:  # the row norms first, so that the A steps can store Qg, Kg and K ⊙ e^Γ
-            for c0 in tl.static_range(0, K, BKW):
-                xq, xk, _ = _load_raw(q, k, g, tok, hh, c0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BKW)
-                xq = xq.to(tl.float32)
-                xk = xk.to(tl.float32)
-                sq += tl.sum(xq * xq, 1)
-                sk += tl.sum(xk * xk, 1)
+            sq, sk = _sums_of_squares(q, k, tok, hh, rm, s_qt, s_qh, s_kt, s_kh, K, BKW)
         rq = _inv_norm(sq, L2)
         rk = _inv_norm(sk, L2)
         nq, nk, ng = _load_raw(q, k, g, tok, hh, 0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
@@ -209,14 +218,7 @@ def _kda_intra(
         Aq = tl.where(causal_d, Aq, 0.0) * (rq * scale)[:, None] * rk[None, :]
     else:
         if L2:  # row norms first (a pass over the key channels)
-            for c0 in tl.static_range(0, K, BK):
-                dk = c0 + tl.arange(0, BK)
-                x = tl.load(q + tok[:, None] * s_qt + hh * s_qh + dk[None, :], mask=rm[:, None], other=0.0)
-                y = tl.load(k + tok[:, None] * s_kt + hh * s_kh + dk[None, :], mask=rm[:, None], other=0.0)
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-                sq += tl.sum(x * x, 1)
-                sk += tl.sum(y * y, 1)
+            sq, sk = _sums_of_squares(q, k, tok, hh, rm, s_qt, s_qh, s_kt, s_kh, K, BK)
         rq = _inv_norm(sq, L2)
         rk = _inv_norm(sk, L2)
         A = tl.zeros([BT, BT], tl.float32)
@@ -410,9 +412,10 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     16-token chunks where the intra work dominates: a 16-row block needs no cross-block part, and 2-warp
     programs capped at 128 registers (eight per SM) make the intra kernel ~35% faster than at 32 tokens; but
     the state kernel's chain of chunk updates then takes twice the steps (session g: 0.88 µs per 16 tokens
-    against 1.12 per 32; session h: 0.70 against 1.05, at ~5.3 cycles per instruction). The intra kernel saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest
-    sequence: 16 wins where tokens × heads ≥ CHAIN_RATIO × the longest sequence (measured: one sequence at
-    H=24 is 8% faster at 16, at H=16 12% slower). Where the chains are a large part of the work (below
+    against 1.12 per 32; session h: 0.70 against 1.05, at ~5.3 cycles per instruction). The intra kernel
+    saves ~1 ns per token-head and the chain costs ~20 ns per token of the longest sequence: 16 wins where
+    tokens × heads ≥ CHAIN_RATIO × the longest sequence (measured: one sequence at H=24 is 8% faster at 16,
+    at H=16 12% slower). Where the chains are a large part of the work (below
     CHAIN_RATIO always; at 16 tokens up to OVERLAP_RATIO) and the longest sequence has ≥ 2048 tokens, the
     state kernels run per segment (~2048 tokens of the longest sequence, 2 to 8; every sequence advances in
     each) on a second stream beside the next segment's intra programs, with ~128 state programs (BV, for the
