@@ -302,6 +302,18 @@ def test_prefill_offset_widths(monkeypatch):
     assert rel(runs[0][0], ro) < TOL[torch.float32] and rel(runs[0][1], rS) < TOL[torch.float32]
 
 
+def test_int64_offsets_rule():
+    """int64 offsets exactly where a token's offset can pass 2^31, including an input with a wide token stride."""
+    from lmkernels.ops.kda.kernels import needs_int64_offsets
+
+    x = torch.empty(4, 8)
+    assert not needs_int64_offsets(8192, 16, 32 * 128, x)
+    assert needs_int64_offsets(2**31 // (32 * 128) - 15, 16, 32 * 128, x)  # the last padded row reaches 2^31
+    assert not needs_int64_offsets(2**31 // (32 * 128) - 16, 16, 32 * 128, x)
+    wide = torch.empty(2, 3 * 2**20)[:, :8]  # a token stride of 3·2^20 elements
+    assert needs_int64_offsets(1024, 16, 32 * 128, wide) and not needs_int64_offsets(1024, 16, 32 * 128, x)
+
+
 def test_segment_table_pieces():
     """Every chunk in exactly one piece, the segments partition the chunk table, each segment advances every
     sequence that still has chunks and lists its pieces longest first, and a sequence's pieces hand their state

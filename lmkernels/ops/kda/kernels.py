@@ -449,6 +449,12 @@ def intra_compile_options(cfg):
     return {"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}
 
 
+def needs_int64_offsets(tokens, bt, buffer_row, *inputs):
+    """Whether an element offset formed from a token index (the padded rows of the last chunk included) can reach
+    2^31: over our [T, H, ·] buffers (buffer_row elements a token) and the inputs' token strides."""
+    return (tokens + bt) * max(buffer_row, *(x.stride(0) for x in inputs)) > 2**31
+
+
 def decode_config(K, V, n, heads):
     """Enough programs (sequence × head × V block) to fill the GPU: narrow V blocks for small batches."""
     pairs = n * heads  # measured on H100 (H = 32): BV 16 / 2 warps best at B = 1, BV 64 / 4 warps from B = 16
@@ -556,10 +562,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     BV = cfg["BV"]
-    # int64 offsets only where the largest element offset formed from a token index (padded rows of the last chunk
-    # included) would not fit int32
-    row_stride = max(H * max(K, V, bt), q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0))
-    i64 = TUNE.get("i64", (T + bt) * row_stride >= 2**31)
+    i64 = TUNE.get("i64", needs_int64_offsets(T, bt, H * max(K, V, bt), q, k, g, v, beta))
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
