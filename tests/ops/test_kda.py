@@ -303,7 +303,7 @@ def test_prefill_offset_widths(monkeypatch):
 
 
 def test_int64_offsets_rule():
-    """int64 offsets exactly where a token's offset can pass 2^31, including an input with a wide token stride."""
+    """int64 offsets exactly where a token's offset can reach 2^31, including an input with a wide token stride."""
     from lmkernels.ops.kda.kernels import needs_int64_offsets
 
     x = torch.empty(4, 8)

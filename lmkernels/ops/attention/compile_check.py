@@ -5,8 +5,8 @@ A development aid for the launch heuristics, not a test: it catches GPU-only com
 interpreter accepts, such as non-constexpr globals) and prints per configuration the registers, stack bytes
 (spills), shared memory, and the instructions that matter — wgmma (Hopper tensor cores), mma.sync
 (Ampere-style), cp.async (pipelined pointer loads) and cp.async.bulk.tensor (TMA). Pointers and the strides
-named stride_* or s_* (except those listed in NOT_ALIGNED) are declared 16-divisible, as triton's launcher does for
-typical shapes; without that, loads do not vectorise and the pipeliner does nothing. Uses triton internals
+named stride_* or s_* (except those listed in NOT_ALIGNED) are declared 16-divisible, as triton's launcher does
+for typical shapes; without that, loads do not vectorise and the pipeliner does nothing. Uses triton internals
 (ASTSource, GPUTarget, the bundled cuobjdump) as of triton 3.6.
 """
 
@@ -32,8 +32,9 @@ def compile_kernel(fn, types, constexprs, num_warps, num_stages, **options):
     """Compile `fn` for sm_90; `types` maps argument names to triton types (default i32); `options`: more compile
     options (maxnreg)."""
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    stride = lambda n: n.startswith(("stride_", "s_")) and n not in NOT_ALIGNED  # noqa: E731
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in constexprs and (sig[n].startswith("*") or ((n.startswith("stride_") or n.startswith("s_")) and n not in NOT_ALIGNED))}
+             if n not in constexprs and (sig[n].startswith("*") or stride(n))}
     k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     ptx = k.asm["ptx"]
@@ -69,6 +70,8 @@ def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, caus
 def decode(d=128, rows=4, cache="bf16", split=True, cfg=None):
     cfg = dict(cfg or K.decode_config(d, d, rows))
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("PROGRAMS_PER_SM", None)  # launcher-side keys, not kernel constexprs
+    cfg.pop("PROGRAMS", None)
     types = dict(q_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32",
                  qk_scale="fp32", cap_in="fp32", cap_out="fp32")
