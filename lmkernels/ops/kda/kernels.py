@@ -167,10 +167,11 @@ def _kda_intra(
         js = tl.arange(0, BS)
         A = tl.zeros([BT, BT], tl.float32)
         Aq = tl.zeros([BT, BT], tl.float32)
-        if ONEPASS and L2:  # the row norms first, so that the A steps can store Qg, Kg and K ⊙ e^Γ
-            sq, sk = _sums_of_squares(q, k, tok, hh, rm, s_qt, s_qh, s_kt, s_kh, K, BKW)
-        rq = _inv_norm(sq, L2)
-        rk = _inv_norm(sk, L2)
+        if ONEPASS:  # the row norms first, so that the A steps can store Qg, Kg and K ⊙ e^Γ
+            if L2:
+                sq, sk = _sums_of_squares(q, k, tok, hh, rm, s_qt, s_qh, s_kt, s_kh, K, BKW)
+            rq = _inv_norm(sq, L2)
+            rk = _inv_norm(sk, L2)
         nq, nk, ng = _load_raw(q, k, g, tok, hh, 0, rm, s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, BK)
         for c0 in tl.range(0, K, BK):
             bq, bk, bg = _gated(nq, nk, ng, hh, c0, rm, a, dt_bias, lower_bound, K, BK, GATE, HAS_BIAS, FAST)
@@ -259,20 +260,21 @@ def _kda_intra(
             ot = tok[:, None] * (H * K) + hh * K + (c0 + tl.arange(0, BKW))[None, :]
             ke = tl.load(w + ot, mask=rm[:, None], other=0.0)
             tl.store(w + ot, tl.dot(Tb, ke, input_precision=PREC).to(dt), mask=rm[:, None])
-    for c0 in tl.static_range(0, K * (1 - ONEPASS), BKW):
-        bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
-                                s_gh, K, BKW, GATE, HAS_BIAS, FAST)
-        bq = bq * rq[:, None]
-        bk = bk * rk[:, None]
-        G = tl.cumsum(bg, 0)
-        Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
-        eG = _exp(G, FAST)
-        dk = c0 + tl.arange(0, BKW)
-        ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
-        tl.store(w + ot, tl.dot(Tb, (bk * eG).to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
-        tl.store(qg + ot, (bq * eG * scale).to(dt), mask=rm[:, None])
-        tl.store(kg + ot, (bk * _exp(Glast[None, :] - G, FAST)).to(dt), mask=rm[:, None])
-        tl.store(gl + (ic * H + hh) * K + dk, _exp(Glast, FAST))
+    else:
+        for c0 in tl.static_range(0, K, BKW):
+            bq, bk, bg = _load_cols(q, k, g, tok, hh, c0, rm, a, dt_bias, lower_bound, s_qt, s_qh, s_kt, s_kh, s_gt,
+                                    s_gh, K, BKW, GATE, HAS_BIAS, FAST)
+            bq = bq * rq[:, None]
+            bk = bk * rk[:, None]
+            G = tl.cumsum(bg, 0)
+            Glast = tl.sum(bg, 0)  # Γ at the chunk's last token (padded rows have g = 0)
+            eG = _exp(G, FAST)
+            dk = c0 + tl.arange(0, BKW)
+            ot = tok[:, None] * (H * K) + hh * K + dk[None, :]
+            tl.store(w + ot, tl.dot(Tb, (bk * eG).to(dt), input_precision=PREC).to(dt), mask=rm[:, None])
+            tl.store(qg + ot, (bq * eG * scale).to(dt), mask=rm[:, None])
+            tl.store(kg + ot, (bk * _exp(Glast[None, :] - G, FAST)).to(dt), mask=rm[:, None])
+            tl.store(gl + (ic * H + hh) * K + dk, _exp(Glast, FAST))
     tl.store(tb + tok[:, None] * (H * BT) + hh * BT + r[None, :], Tb, mask=rm[:, None])
 
 
