@@ -443,10 +443,20 @@ def decode_config(rows: int, fp8: bool = False):
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=1)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
     if block_m >= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
+                    WS=True)
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
+
+
+def _ws_supported(q, cache):
+    """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run this call."""
+    if not q.is_cuda:
+        return False
+    from .kernels_ws import supported
+
+    return supported(q, cache, cache.shape[1])
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -492,7 +502,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
         num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
-    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS
+    ws = cfg.pop("WS", False) and cfg["BLOCK_N"] == 64 and not interpreting() and _ws_supported(q_nope, cache)
+    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device)
     partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
@@ -503,6 +514,14 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=partial_dtype, device=o.device)
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
+    if ws:
+        from .kernels_ws import mla_decode_ws
+
+        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
+                      num_splits)
+        if num_splits > 1:
+            merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
+        return o, lse
     counters = _counters(o.device, batch * m_blocks) if fused else None
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l, o, lse, counters,
