@@ -213,7 +213,8 @@ def _kda_cases(big, dev, dt):
 
 def _mla_cases(big, dev, dt):
     """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots) and the absorbed decode
-    over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads)."""
+    over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads: the warp-specialised
+    kernel on Hopper)."""
     ref = mla.reference
     page = 64 if big else 16
     ctx = [1, 1000, 4097, 333] if big else [1, 37, 20]
@@ -236,7 +237,7 @@ def _mla_cases(big, dev, dt):
         return c.view(-1, 576)[slots]
 
     yield "write_latent_cache", kv.shape, lambda: write(mla.write_latent_cache), lambda: write(ref.write_latent_cache)
-    for heads, n_new in ((16, 1), (16, 2)) + (((128, 1),) if big else ()):
+    for heads, n_new in ((16, 1), (16, 2)) + (((128, 1), (128, 2)) if big else ()):  # 128 heads: Gluon on Hopper
         qn = torch.randn(len(ctx), n_new, heads, 512, device=dev, dtype=dt)
         qp = torch.randn(len(ctx), n_new, heads, 64, device=dev, dtype=dt)
         yield (f"mla_decode({heads} heads, q {n_new})", qn.shape,

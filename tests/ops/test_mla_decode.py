@@ -220,3 +220,26 @@ def test_decode_merge_paths(monkeypatch, fused, splits):
         torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
         assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
         assert not kernels._counters(o.device, 1).any()  # every counter back at 0
+
+
+@pytest.mark.parametrize("split,dtype", [(True, "bf16"), (False, "fp16")])
+def test_warp_specialised_kernel_compiles_for_hopper(split, dtype):
+    """The Gluon kernel has no interpreter path (the GPU check, `lmkernels check`, runs it against the reference):
+    here it must at least build for sm_90 with its design intact: two warpgroups × (36 QK + 4 PV) wgmma
+    instructions, TMA tile loads, within the shared memory of one SM."""
+    from lmkernels.ops.mla import compile_check
+
+    r = compile_check.ws(split, dtype)
+    assert r["wgmma"] == 2 * (576 // 16 + 64 // 16) and r["tma"] > 0 and r["mma"] == 0
+    assert r["smem_kb"] <= 227 and r["stack"] < 256
+
+
+def test_warp_specialised_kernel_chosen_for_hopper_only():
+    """64-row blocks of a 16-bit cache in whole-tile pages take the Gluon kernel on an sm_90 GPU; everything else
+    (CPU, the interpreter, FP8, page sizes that split a 64-key tile) the Triton kernel."""
+    from lmkernels.ops.mla import kernels_ws
+
+    assert kernels.decode_config(128)["WS"] and not kernels.decode_config(16).get("WS")
+    q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
+    assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), 64)
+    assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))

@@ -28,14 +28,14 @@ NOT_ALIGNED = {"stride_lh", "stride_lt", "stride_lb", "stride_ls", "stride_plb",
                "stride_vscale", "s_bh"}
 
 
-def compile_kernel(fn, types, constexprs, num_warps, num_stages, **options):
-    """Compile `fn` for sm_90; `types` maps argument names to triton types (default i32); `options`: more compile
-    options (maxnreg)."""
+def compile_kernel(fn, types, constexprs, num_warps, num_stages, source=ASTSource, **options):
+    """Compile `fn` for sm_90; `types` maps argument names to triton types (default i32); `source`: the AST source
+    class (a Gluon kernel's: GluonASTSource); `options`: more compile options (maxnreg)."""
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     stride = lambda n: n.startswith(("stride_", "s_")) and n not in NOT_ALIGNED  # noqa: E731
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (sig[n].startswith("*") or stride(n))}
-    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
+    k = triton.compile(source(fn, sig, constexprs, attrs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:

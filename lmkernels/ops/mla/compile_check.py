@@ -1,6 +1,7 @@
 """Compile the MLA kernels for Hopper (sm_90) without a GPU and print registers, spills, shared memory and the
-instructions that matter: `python -m lmkernels.ops.mla.compile_check`. A development aid, not a test; it uses
-the attention family's helper (triton internals as of 3.6)."""
+instructions that matter: `python -m lmkernels.ops.mla.compile_check`. A development aid (the test suite only
+uses `ws`: the Gluon kernel has no interpreter path); it uses the attention family's helper (triton internals as
+of 3.6)."""
 
 import sys
 
@@ -21,6 +22,19 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
               INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
+
+
+def ws(split=True, dtype="bf16"):
+    """The warp-specialised Gluon kernel (kernels_ws.py) for 64-row blocks."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import kernels_ws as W
+
+    types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
+                 o_ptr="*fp32" if split else "*" + dtype, lse_ptr="*fp32", qk_scale="fp32")
+    ce = dict(SPLIT=split, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, STAGES=W.STAGES,
+              CONSUMER_REGS=W.CONSUMER_REGS)
+    return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
 def main(argv=None):
@@ -46,6 +60,8 @@ def main(argv=None):
     mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
                INTERPRET=False)
     _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
+    for split in (False, True):
+        _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))
     _show("mla decode rows 16 with PDL (griddepcontrol)", r)
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",

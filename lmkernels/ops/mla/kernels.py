@@ -515,10 +515,10 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
     if ws:
-        from .kernels_ws import mla_decode_ws
+        from . import kernels_ws
 
-        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
-                      num_splits)
+        kernels_ws.mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E,
+                                 chunk_min, num_splits)
         if num_splits > 1:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
         return o, lse

@@ -51,9 +51,9 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_si
     stages: gl.constexpr = kc.shape[0]
     for i in range(n_tiles):
         s = i % stages
-        mbarrier.wait(empty.index(s), (i // stages & 1) ^ 1)  # fresh barriers count as released
         n0 = start + i * BLOCK_N
-        row = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
+        row = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size  # read while we wait
+        mbarrier.wait(empty.index(s), (i // stages & 1) ^ 1)  # fresh barriers count as released
         bar = ready.index(s)
         mbarrier.expect(bar, BLOCK_N * (KV_LORA + ROPE) * c_ptr.dtype.element_ty.primitive_bitwidth // 8)
         tma.async_copy_global_to_shared(c_desc, [row, 0], bar, kc.index(s))
@@ -61,7 +61,7 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_si
 
 
 @gluon.jit
-def _consumer(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
+def _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
               m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
               stride_lh, stride_ls, HALF_IDX: gl.constexpr):
     """Columns [HALF_IDX · 256, +256) of the output of one 64-row block over the split's tiles."""
@@ -76,6 +76,22 @@ def _consumer(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end,
     zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kc.dtype
     stages: gl.constexpr = kc.shape[0]
+    # q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat (and
+    # warpgroup 0 q_pe), 64 columns at a time, while the loader's first tiles are on their way; then the other half
+    qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+    row_ok = (r < n_new * heads)[:, None]
+    qn_rows = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
+    for col in gl.static_range(HALF_IDX * HALF, HALF_IDX * HALF + HALF, 64):
+        q_smem.slice(col, 64, dim=1).store(gl.load(qn_rows + col + d[None, :], mask=row_ok, other=0.0))
+    if HALF_IDX == 0:
+        qp_smem.store(gl.load(qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt
+                              + (r % heads)[:, None] * stride_qph + d[None, :], mask=row_ok, other=0.0))
+    fence_async_shared()
+    mbarrier.arrive(q_bar)
+    mbarrier.wait(q_bar, 0)
     rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     pos = seq_len - n_new + rows // heads  # causal among the new tokens
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -129,19 +145,19 @@ def _consumer(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end,
 
 
 @gluon.jit
-def _consumer_default(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
+def _consumer_default(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
                       m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
                       stride_lh, stride_ls):
-    _consumer(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
+    _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
               m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
               stride_lh, stride_ls, 0)
 
 
 @gluon.jit
-def _consumer_worker(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
+def _consumer_worker(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
                      m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
                      stride_lh, stride_ls):
-    _consumer(q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
+    _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
               m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
               stride_lh, stride_ls, 1)
 
@@ -166,23 +182,10 @@ def _mla_decode_ws_kernel(
     b64 = batch.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # q rows (row r = new token r // heads, head r % heads) into shared memory, 64 columns at a time
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    d = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
-    tok = r // heads
-    head = r % heads
-    row_ok = (r < n_new * heads)[:, None]
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA], wide)
     qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], wide)
-    qn_rows = qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
-    for c in gl.static_range(KV_LORA // ROPE):
-        x = gl.load(qn_rows + c * ROPE + d[None, :], mask=row_ok, other=0.0)
-        q_smem.slice(c * ROPE, ROPE, dim=1).store(x.to(dtype))
-    x = gl.load(qp_ptr + b64 * stride_qpb + tok[:, None] * stride_qpt + head[:, None] * stride_qph + d[None, :],
-                mask=row_ok, other=0.0)
-    qp_smem.store(x.to(dtype))
-    fence_async_shared()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
     kc = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], wide)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -192,7 +195,8 @@ def _mla_decode_ws_kernel(
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     bt_row = bt_ptr + b64 * stride_bt
-    consumer_args = (q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new,
+    q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
+    consumer_args = (q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new,
                      heads, m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb,
                      stride_lt, stride_lh, stride_ls)
     gl.warp_specialize([
