@@ -21,6 +21,9 @@ context) of the length read on the device, so the launch depends only on shapes 
 sync). Where no merge kernel follows (one split, or the in-kernel merge) the decode kernel is launched with
 programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
 dtype in registers before the dots.
+64-row blocks (128 heads) of a 16-bit cache on Hopper run the warp-specialised Gluon kernel of kernels_ws.py
+(a TMA loader warp and two consumer warpgroups); this kernel remains the path everywhere else and the one the
+CPU tests run (the interpreter cannot run Gluon).
 """
 
 import torch
@@ -434,7 +437,10 @@ def decode_config(rows: int, fp8: bool = False):
     inside the kernel; B=128 1k 2 → 1, no merge): +1.7% / +7.7% in the session-e A/B, B=32 1k unchanged;
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
-    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM).
+    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM); on Hopper
+    with a 16-bit cache in 64-key pages (WS) the warp-specialised Gluon kernel of kernels_ws.py instead
+    (+37–51% at 8k–32k, +18–25% at 1k; session i), 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning
+    knobs WS_BLOCK_N / WS_STAGES), its partials in the query dtype through the merge kernel.
     FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
     (168–190 KB: 1 per SM)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
@@ -450,13 +456,13 @@ def decode_config(rows: int, fp8: bool = False):
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
 
 
-def _ws_supported(q, cache):
+def _ws_supported(q, cache, ws_tile):
     """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run this call."""
     if not q.is_cuda:
         return False
-    from .kernels_ws import supported
+    from . import kernels_ws
 
-    return supported(q, cache, cache.shape[1])
+    return kernels_ws.supported(q, cache, ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N))
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -493,6 +499,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         return o, lse
     fp8 = cache_scales is not None
     cfg = dict(config or decode_config(n_new * heads, fp8))
+    ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
+    ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
+    if ws:  # the Gluon kernel's key tile decides the split boundaries (and the merge's view of them)
+        from . import kernels_ws
+
+        cfg["BLOCK_N"] = ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if cfg["TMA"] and cache.is_cuda:
@@ -502,10 +514,10 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     if not num_splits:
         num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
-    ws = cfg.pop("WS", False) and cfg["BLOCK_N"] == 64 and not interpreting() and _ws_supported(q_nope, cache)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device)
-    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
+    # 16-bit partials: half the merging program's loads (in-kernel merge) or the merge kernel's traffic (Gluon)
+    partial_dtype = q_nope.dtype if fused or ws else torch.float32
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
@@ -515,10 +527,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
     if ws:
-        from . import kernels_ws
-
         kernels_ws.mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E,
-                                 chunk_min, num_splits)
+                                 chunk_min, num_splits, cfg["BLOCK_N"], ws_tile.get("WS_STAGES", kernels_ws.STAGES))
         if num_splits > 1:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
         return o, lse

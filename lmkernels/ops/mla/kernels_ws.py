@@ -32,8 +32,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.jit
 def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: gl.constexpr):
     """As kernels._split_range: keys [start, end) of this split and the number of non-empty splits."""
-    chunk = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, chunk_min)
-    n_valid = gl.where(seq_len > 0, gl.cdiv(seq_len, gl.maximum(chunk, 1)), 0)
+    chunk = gl.maximum(((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N, chunk_min)
+    n_valid = gl.where(seq_len > 0, (seq_len + chunk - 1) // gl.maximum(chunk, 1), 0)
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
     return start, end, n_valid
@@ -61,24 +61,15 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_si
 
 
 @gluon.jit
-def _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
-              m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-              stride_lh, stride_ls, HALF_IDX: gl.constexpr):
-    """Columns [HALF_IDX · 256, +256) of the output of one 64-row block over the split's tiles."""
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
-    KV_LORA: gl.constexpr = q_smem.shape[1]
-    BLOCK_N: gl.constexpr = kc.shape[1]
-    HALF: gl.constexpr = KV_LORA // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    dtype: gl.constexpr = kc.dtype
-    stages: gl.constexpr = kc.shape[0]
-    # q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat (and
-    # warpgroup 0 q_pe), 64 columns at a time, while the loader's first tiles are on their way; then the other half
+def _load_q(ctx, rows_args, HALF_IDX: gl.constexpr):
+    """q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat
+    (warpgroup 0 also q_pe), 64 columns at a time, while the loader's first tiles are on their way; then wait for
+    the other warpgroup's half."""
+    q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = ctx
     qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+    m_block, b64, n_new, heads = rows_args
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    HALF: gl.constexpr = q_smem.shape[1] // 2
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
@@ -92,74 +83,130 @@ def _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_p
     fence_async_shared()
     mbarrier.arrive(q_bar)
     mbarrier.wait(q_bar, 0)
-    rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    pos = seq_len - n_new + rows // heads  # causal among the new tokens
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    for i in range(n_tiles):
-        s = i % stages
-        mbarrier.wait(ready.index(s), i // stages & 1)
-        kct = kc.index(s)
-        sc = warpgroup_mma(q_smem, kct.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(qp_smem, kp.index(s).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        n0 = start + i * BLOCK_N
-        kn = n0 + offs_n
-        sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        v = kct.slice(HALF_IDX * HALF, HALF, dim=1)
-        if n0 + BLOCK_N > end:  # the sequence's partial last tile: zero the rows past its end in our half
-            zr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zero_layout))
-            for c in gl.static_range(HALF // 64):
-                part = v.slice(c * 64, 64, dim=1)
-                x = part.load(zero_layout)
-                part.store(gl.where((n0 + zr < end)[:, None], x, gl.zeros_like(x)))
-            fence_async_shared()
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s))
+
+
+@gluon.jit
+def _scores(q_smem, qp_smem, kct, kpt, s_zero):
+    """S = [q_lat | q_pe] · [c_kv | k_pe]ᵀ of one tile, both operands from shared memory."""
+    sc = warpgroup_mma(q_smem, kct.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma(qp_smem, kpt.permute((1, 0)), sc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+
+
+@gluon.jit
+def _maximum(a, b):
+    """Reduction combiners of our own: gl.max and gl.sum wrap triton.language's, whose combiners become interpreter
+    objects Gluon cannot call when TRITON_INTERPRET=1 (the CPU tests compile this kernel)."""
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale):
+    """Online softmax step in base 2 (keys past the end or after a row's own position masked): P, the new row max
+    and sum, and the factor that rescales what was accumulated under the old max."""
+    kn = n0 + offs_n
+    sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, m_new, l_i * alpha + gl.reduce(p, 1, _add), alpha
+
+
+@gluon.jit
+def _pv(a, v, acc, n0, end):
+    """acc += a · v (a: P in registers; v: this warpgroup's columns of the tile's c_kv). The sequence's partial last
+    tile first gets the rows past its end zeroed in v (the page may hold anything there, NaN included)."""
+    BLOCK_N: gl.constexpr = v.shape[0]
+    if n0 + BLOCK_N > end:
+        zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        zr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zero_layout))
+        for c in gl.static_range(v.shape[1] // 64):
+            part = v.slice(c * 64, 64, dim=1)
+            x = part.load(zero_layout)
+            part.store(gl.where((n0 + zr < end)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+    acc = warpgroup_mma(a, v, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX: gl.constexpr):
+    """o = acc / l for this warpgroup's columns; warpgroup 0 also stores the LSE."""
+    o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls = \
+        out_args
+    m_block, b64, n_new, heads = rows_args
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    HALF: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
     empty_rows = l_i == 0.0
     l_safe = gl.where(empty_rows, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_tok = o_rows // heads
-    o_head = o_rows % heads
-    o_ok = o_rows < n_new * heads
-    o_ptrs = (o_ptr + b64 * stride_ob + o_tok[:, None] * stride_ot + o_head[:, None] * stride_oh
+    o_ptrs = (o_ptr + b64 * stride_ob + (o_rows // heads)[:, None] * stride_ot + (o_rows % heads)[:, None] * stride_oh
               + split * stride_os + o_cols[None, :])
-    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_ok[:, None])
+    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(o_rows < n_new * heads)[:, None])
     if HALF_IDX == 0:
+        rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(lse_ptr + b64 * stride_lb + (rows // heads) * stride_lt + (rows % heads) * stride_lh
                  + split * stride_ls, lse, mask=rows < n_new * heads)
 
 
 @gluon.jit
-def _consumer_default(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
-                      m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-                      stride_lh, stride_ls):
-    _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
-              m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-              stride_lh, stride_ls, 0)
+def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
+    """Columns [HALF_IDX · 256, +256) of the output of one 64-row block over the split's tiles. Every tile's
+    scores are computed in both warpgroups: twice the score work, but nothing to exchange (handing P over instead
+    was no faster: benchmarks/NOTES.md, issue 6, session i)."""
+    q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = ctx
+    start, end, n_tiles, seq_len = span
+    m_block, b64, n_new, heads = rows_args
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    HALF: gl.constexpr = q_smem.shape[1] // 2
+    BLOCK_N: gl.constexpr = kc.shape[1]
+    stages: gl.constexpr = kc.shape[0]
+    dtype: gl.constexpr = kc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    _load_q(ctx, rows_args, HALF_IDX)
+    rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    pos = seq_len - n_new + rows // heads  # causal among the new tokens
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    for i in range(n_tiles):
+        s = i % stages
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(ready.index(s), i // stages & 1)
+        sc = _scores(q_smem, qp_smem, kc.index(s), kp.index(s), s_zero)
+        p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
+        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+        acc = _pv(gl.convert_layout(p.to(dtype), p_layout), kc.index(s).slice(HALF_IDX * HALF, HALF, dim=1), acc,
+                  n0, end)
+        mbarrier.arrive(empty.index(s))
+    _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX)
 
 
 @gluon.jit
-def _consumer_worker(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
-                     m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-                     stride_lh, stride_ls):
-    _consumer(q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new, heads,
-              m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-              stride_lh, stride_ls, 1)
+def _consumer_default(ctx, out_args, rows_args, span, qk_scale):
+    _consumer(ctx, out_args, rows_args, span, qk_scale, 0)
+
+
+@gluon.jit
+def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
+    _consumer(ctx, out_args, rows_args, span, qk_scale, 1)
 
 
 @gluon.jit
@@ -193,15 +240,17 @@ def _mla_decode_ws_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + b64 * stride_bt
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
-    consumer_args = (q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty, o_ptr, lse_ptr, start, end, n_tiles, seq_len, n_new,
-                     heads, m_block, b64, split, qk_scale, stride_ob, stride_ot, stride_oh, stride_os, stride_lb,
-                     stride_lt, stride_lh, stride_ls)
+    ctx = (q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty)
+    out_args = (o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh,
+                stride_ls)
+    rows_args = (m_block, b64, n_new, heads)
+    span = (start, end, n_tiles, seq_len)
     gl.warp_specialize([
-        (_consumer_default, consumer_args),
-        (_consumer_worker, consumer_args),
+        (_consumer_default, (ctx, out_args, rows_args, span, qk_scale)),
+        (_consumer_worker, (ctx, out_args, rows_args, span, qk_scale)),
         (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -212,14 +261,15 @@ MAXNREG = 168
 CONSUMER_REGS = 240
 
 
-def supported(q, cache, page_size):
-    """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole 64-key tiles, TMA-aligned cache."""
+def supported(q, cache, block_n=BLOCK_N):
+    """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole key tiles, TMA-aligned cache."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.dtype == cache.dtype
-            and cache.dtype in (torch.bfloat16, torch.float16) and page_size % BLOCK_N == 0
+            and cache.dtype in (torch.bfloat16, torch.float16) and cache.shape[1] % block_n == 0
             and cache.data_ptr() % 16 == 0)
 
 
-def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits):
+def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits,
+                  block_n=BLOCK_N, stages=STAGES):
     """Launch over (m-blocks of 64 rows, splits, batch); out/out_l: the final o/lse (one split, os_/ls split
     strides 0) or fp32 partials [B, Q, H, S, 512] / [B, Q, H, S] for the merge kernel."""
     batch, n_new, heads, _ = q_nope.shape
@@ -228,6 +278,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, 
         q_nope, q_pe, cache, block_tables, seq_lens, out, out_l,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0), *os_, *ls,
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, chunk_min, num_splits,
-        SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
