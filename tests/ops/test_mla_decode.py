@@ -63,7 +63,7 @@ def test_decode_many_splits(monkeypatch, sms):
     """More splits than one merge step reads, with the merge in whole rows (many rows per SM) and in
     column blocks (few rows: sms=64)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
-    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
+    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False, max_context=0: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
     n_splits = kernels.MERGE_CHUNK_S + 5
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
@@ -243,11 +243,15 @@ def test_warp_specialised_kernel_compiles_for_hopper():
 
 
 def test_warp_specialised_kernel_chosen_for_hopper_only():
-    """64-row blocks of a 16-bit cache in whole-tile pages take the Gluon kernel on an sm_90 GPU; everything else
-    (CPU, the interpreter, FP8, page sizes that split a 64-key tile) the Triton kernel."""
+    """32 rows and more, and 16 rows from a context bound, of a 16-bit cache in whole-tile pages take the Gluon
+    kernel on an sm_90 GPU; everything else (CPU, the interpreter, FP8, page sizes that split a 64-key tile) the
+    Triton kernel with its own tiles."""
     from lmkernels.ops.mla import kernels_ws
 
-    assert kernels.decode_config(128)["WS"] and not kernels.decode_config(16).get("WS")
+    assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
+    assert not kernels.decode_config(16, max_context=4096)["WS"] and kernels.decode_config(16, max_context=8192)["WS"]
     q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
     assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), 64)
     assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), {})
+    cfg, ws, m_blocks, _ = kernels.decode_plan(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), False, 8192)
+    assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2

@@ -318,11 +318,12 @@ def decode_case(batch, ctx, heads, n_new):
     if _flex_wanted(batch, ctx, heads, n_new, dev):
         peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
-    cfg = kernels.decode_config(heads * n_new)
-    kt = ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" TMA" if cfg.get("TMA") else "")
-    m_blocks = -(-heads * n_new // cfg["BLOCK_M"])
-    splits = kernels.decode_num_splits(batch, m_blocks, ctx, kernels.sm_count(q_nope.device), cfg["PROGRAMS_PER_SM"],
-                                       cfg.get("MIN_KEYS", kernels.MIN_KEYS_PER_SPLIT))
+    cfg, ws, m_blocks, splits = kernels.decode_plan(q_nope, cache, False, ctx)
+    if ws:
+        tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, {cfg['WS_STAGES']} stages"
+    else:
+        tiles = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
+                 + ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" TMA" if cfg.get("TMA") else ""))
     failure = ours.get("wrong") or ours.get("missing")
     row = {**base, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers}
     key = "tflops" if compute else "gbps"
@@ -349,7 +350,7 @@ def decode_case(batch, ctx, heads, n_new):
     extra = f"{row['pct_gemm']:.1f}% of GEMM, " if row.get("pct_gemm") is not None and compute else ""
     row["note"] = (f"{label}: {unit} ours {ours_fig} ({extra}{ours.get('gbps', 0):.0f} GB/s, "
                    f"{ours.get('tflops', 0):.1f} TFLOP/s), {figs}; goal {goal_txt}; page {PAGE}, "
-                   f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} {kt}, {splits} splits, "
+                   f"{tiles}, {splits} splits, "
                    f"timing {ours.get('timing')}"
                    + ("" if want is not None else "; checked on batch entry 0 (fp32 reference too large)"))
     return row

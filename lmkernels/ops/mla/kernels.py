@@ -420,9 +420,12 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
 # 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
 PDL = True
+# the Gluon kernel for 16 rows (16 heads, one token) from this context bound on (H100, session i: 32k +4%, B=128 8k
+# +3%, B=32 8k ±0, 1k −3 to −13%); 32 rows (MTP) take it always (+5–12%)
+WS_MIN_CONTEXT_16_ROWS = 8192
 
 
-def decode_config(rows: int, fp8: bool = False):
+def decode_config(rows: int, fp8: bool = False, max_context: int = 0):
     """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
     BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
     scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
@@ -437,10 +440,11 @@ def decode_config(rows: int, fp8: bool = False):
     inside the kernel; B=128 1k 2 → 1, no merge): +1.7% / +7.7% in the session-e A/B, B=32 1k unchanged;
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
-    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM); on Hopper
-    with a 16-bit cache in 64-key pages (WS) the warp-specialised Gluon kernel of kernels_ws.py instead
-    (+37–51% at 8k–32k, +18–25% at 1k; session i), 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning
-    knobs WS_BLOCK_N / WS_STAGES), its partials in the query dtype through the merge kernel.
+    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM).
+    WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
+    kernels_ws.py instead, for 64 rows and more (+37–51% at 8k–32k, +18–25% at 1k), 32 rows (+5–12%) and 16 rows
+    from WS_MIN_CONTEXT_16_ROWS (session i): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs
+    WS_BLOCK_N / WS_STAGES), fp32 partials through the merge kernel (16-bit ones were slower).
     FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
     (168–190 KB: 1 per SM)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
@@ -452,8 +456,31 @@ def decode_config(rows: int, fp8: bool = False):
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
                     WS=True)
     if block_m == 32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2,
+                    WS=True)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1,
+                WS=max_context >= WS_MIN_CONTEXT_16_ROWS)
+
+
+def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
+    """The launch of one decode call: (config, Gluon kernel or not, m-blocks, splits). The Gluon kernel (WS, where
+    decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
+    one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs)."""
+    batch, n_new, heads, _ = q_nope.shape
+    cfg = dict(config or decode_config(n_new * heads, fp8, max_context))
+    ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
+    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
+    if ws:  # the Gluon kernel's key tile also decides the split boundaries (and the merge's view of them)
+        from . import kernels_ws
+
+        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N),
+                   WS_STAGES=ws_tile.get("WS_STAGES", kernels_ws.STAGES), PROGRAMS_PER_SM=1)
+    m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
+    if not num_splits:
+        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
+    return cfg, ws, m_blocks, num_splits
 
 
 def _ws_supported(q, cache, ws_tile):
@@ -498,26 +525,14 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg = dict(config or decode_config(n_new * heads, fp8))
-    ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
-    ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
-    if ws:  # the Gluon kernel's key tile decides the split boundaries (and the merge's view of them)
-        from . import kernels_ws
-
-        cfg["BLOCK_N"] = ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N)
+    cfg, ws, m_blocks, num_splits = decode_plan(q_nope, cache, fp8, max_context, num_splits, config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
-    if cfg["TMA"] and cache.is_cuda:
+    if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
-    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
-    min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
-    m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
-    if not num_splits:
-        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device)
-    # 16-bit partials: half the merging program's loads (in-kernel merge) or the merge kernel's traffic (Gluon)
-    partial_dtype = q_nope.dtype if fused or ws else torch.float32
+    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
@@ -527,8 +542,10 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
     if ws:
-        kernels_ws.mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E,
-                                 chunk_min, num_splits, cfg["BLOCK_N"], ws_tile.get("WS_STAGES", kernels_ws.STAGES))
+        from .kernels_ws import mla_decode_ws
+
+        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
+                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"])
         if num_splits > 1:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
         return o, lse
