@@ -63,7 +63,7 @@ def test_decode_many_splits(monkeypatch, sms):
     """More splits than one merge step reads, with the merge in whole rows (many rows per SM) and in
     column blocks (few rows: sms=64)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
-    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False, max_context=0: dict(
+    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False, max_context=0, batch=1: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
     n_splits = kernels.MERGE_CHUNK_S + 5
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
@@ -249,7 +249,8 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     from lmkernels.ops.mla import kernels_ws
 
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
-    assert not kernels.decode_config(16, max_context=4096)["WS"] and kernels.decode_config(16, max_context=8192)["WS"]
+    assert not kernels.decode_config(16, max_context=4096, batch=32)["WS"]
+    assert kernels.decode_config(16, max_context=8192, batch=32)["WS"] and not kernels.decode_config(16, max_context=8192)["WS"]
     q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
     assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), 64)
     assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), {})

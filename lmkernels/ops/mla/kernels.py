@@ -420,12 +420,12 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
 # 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
 PDL = True
-# the Gluon kernel for 16 rows (16 heads, one token) from this context bound on (H100, session i: 32k +4%, B=128 8k
-# +3%, B=32 8k ±0, 1k −3 to −13%); 32 rows (MTP) take it always (+5–12%)
-WS_MIN_CONTEXT_16_ROWS = 8192
+# the Gluon kernel for 16 rows (16 heads, one token) from these bounds on (H100, session i: 32k +4%, B=128 8k +3%,
+# B=32 8k ±0, 1k −3 to −13%, B=1 8k / 32k −6%); 32 rows (MTP) take it always (+5–12%)
+WS_MIN_CONTEXT_16_ROWS, WS_MIN_BATCH_16_ROWS = 8192, 16
 
 
-def decode_config(rows: int, fp8: bool = False, max_context: int = 0):
+def decode_config(rows: int, fp8: bool = False, max_context: int = 0, batch: int = 1):
     """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
     BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
     scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
@@ -444,7 +444,8 @@ def decode_config(rows: int, fp8: bool = False, max_context: int = 0):
     WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
     kernels_ws.py instead, for 64 rows and more (+37–51% at 8k–32k, +18–25% at 1k), 32 rows (+5–12%) and 16 rows
     from WS_MIN_CONTEXT_16_ROWS (session i): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs
-    WS_BLOCK_N / WS_STAGES), fp32 partials through the merge kernel (16-bit ones were slower).
+    WS_BLOCK_N / WS_STAGES), fp32 partials (16-bit ones through the merge kernel were slower), merged in the
+    kernel up to FUSED_MAX_SPLITS.
     FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
     (168–190 KB: 1 per SM)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
@@ -459,7 +460,7 @@ def decode_config(rows: int, fp8: bool = False, max_context: int = 0):
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2,
                     WS=True)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1,
-                WS=max_context >= WS_MIN_CONTEXT_16_ROWS)
+                WS=max_context >= WS_MIN_CONTEXT_16_ROWS and batch >= WS_MIN_BATCH_16_ROWS)
 
 
 def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
@@ -467,7 +468,7 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
     one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs)."""
     batch, n_new, heads, _ = q_nope.shape
-    cfg = dict(config or decode_config(n_new * heads, fp8, max_context))
+    cfg = dict(config or decode_config(n_new * heads, fp8, max_context, batch))
     ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
     ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
     if ws:  # the Gluon kernel's key tile also decides the split boundaries (and the merge's view of them)
@@ -530,9 +531,11 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
-    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
-    pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device)
-    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
+    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS
+    pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
+    # 16-bit partials halve the merging program's loads (Triton kernel); the Gluon kernel keeps fp32 (16-bit
+    # partials through its merge kernel were slower: NOTES, issue 6, session i)
+    partial_dtype = q_nope.dtype if fused and not ws else torch.float32
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
@@ -541,15 +544,15 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=partial_dtype, device=o.device)
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
+    counters = _counters(o.device, batch * m_blocks) if fused else None
     if ws:
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
-                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"])
-        if num_splits > 1:
+                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"], (o, lse, counters) if fused else None)
+        if num_splits > 1 and not fused:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
         return o, lse
-    counters = _counters(o.device, batch * m_blocks) if fused else None
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l, o, lse, counters,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
