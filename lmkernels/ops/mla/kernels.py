@@ -444,8 +444,8 @@ def decode_config(rows: int, fp8: bool = False, max_context: int = 0, batch: int
     WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
     kernels_ws.py instead, for 64 rows and more (+37–51% at 8k–32k, +18–25% at 1k), 32 rows (+5–12%) and 16 rows
     from WS_MIN_CONTEXT_16_ROWS (session i): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs
-    WS_BLOCK_N / WS_STAGES), fp32 partials (16-bit ones through the merge kernel were slower), merged in the
-    kernel up to FUSED_MAX_SPLITS.
+    WS_BLOCK_N / WS_STAGES), fp32 partials through the merge kernel (16-bit ones, and merging in the kernel, were
+    slower).
     FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
     (168–190 KB: 1 per SM)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
@@ -531,11 +531,11 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
-    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS
+    # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs, 16-bit
+    # partials 17: NOTES, issue 6, session i)
+    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
-    # 16-bit partials halve the merging program's loads (Triton kernel); the Gluon kernel keeps fp32 (16-bit
-    # partials through its merge kernel were slower: NOTES, issue 6, session i)
-    partial_dtype = q_nope.dtype if fused and not ws else torch.float32
+    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
@@ -544,15 +544,15 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=partial_dtype, device=o.device)
         out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
         os_, ls = out.stride()[:4], out_l.stride()
-    counters = _counters(o.device, batch * m_blocks) if fused else None
     if ws:
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
-                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"], (o, lse, counters) if fused else None)
-        if num_splits > 1 and not fused:
+                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"])
+        if num_splits > 1:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
         return o, lse
+    counters = _counters(o.device, batch * m_blocks) if fused else None
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l, o, lse, counters,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),

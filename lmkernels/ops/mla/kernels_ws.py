@@ -26,7 +26,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 BLOCK_M = 64
 BLOCK_N = 64
 STAGES = 2
-MAX_FUSED_SPLITS = gl.constexpr(4)  # the in-kernel merge takes up to this many splits (kernels.FUSED_MAX_SPLITS)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -161,63 +160,7 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _merge_if_last(merge, out_args, rows_args, HALF_IDX: gl.constexpr):
-    """The in-kernel merge of the split partials: once both warpgroups have stored theirs, warpgroup 0 counts the
-    program in on the (sequence, m-block) counter; the last split to arrive merges all of them, each warpgroup
-    its own columns: o = Σ_s e^(lse_s − lse) o_s, lse = log Σ_s e^(lse_s) (partials written by other SMs are read
-    past L1)."""
-    fo_ptr, flse_ptr, cnt_ptr, n_valid, m_blocks, done, verdict, flag = merge
-    o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls = \
-        out_args
-    m_block, b64, n_new, heads = rows_args
-    BLOCK_M: gl.constexpr = 64
-    HALF: gl.constexpr = 256
-    mbarrier.arrive(done)  # this warpgroup's partial is stored (the arrive follows a barrier of the warpgroup)
-    mbarrier.wait(done, 0)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    if HALF_IDX == 0:
-        counter = cnt_ptr + b64 * m_blocks + m_block
-        arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        flag.store(gl.full([1], arrived, gl.int32, layout=one))
-        mbarrier.arrive(verdict)
-    mbarrier.wait(verdict, 0)
-    last = gl.reduce(flag.load(one), 0, _maximum) == n_valid - 1
-    if last:
-        ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        ok = r < n_new * heads
-        row_o = b64 * stride_ob + (r // heads) * stride_ot + (r % heads) * stride_oh
-        row_l = b64 * stride_lb + (r // heads) * stride_lt + (r % heads) * stride_lh
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ld))
-        for s in gl.static_range(MAX_FUSED_SPLITS):
-            m = gl.maximum(m, gl.load(lse_ptr + row_l + s * stride_ls, mask=ok & (s < n_valid), other=float("-inf"),
-                                      cache_modifier=".cg"))
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        total = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, ld))
-        for s in gl.static_range(MAX_FUSED_SPLITS):
-            total += gl.exp(gl.load(lse_ptr + row_l + s * stride_ls, mask=ok & (s < n_valid), other=float("-inf"),
-                                    cache_modifier=".cg") - m_safe)
-        none = total == 0.0
-        t_safe = gl.where(none, 1.0, total)
-        d = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-        for c in gl.static_range(HALF_IDX * HALF, HALF_IDX * HALF + HALF, 64):
-            acc = gl.zeros([BLOCK_M, 64], gl.float32, layout=ld)
-            for s in gl.static_range(MAX_FUSED_SPLITS):
-                w = gl.exp(gl.load(lse_ptr + row_l + s * stride_ls, mask=ok & (s < n_valid), other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe) / t_safe
-                part = gl.load(o_ptr + row_o[:, None] + s * stride_os + c + d[None, :],
-                               mask=(ok & (s < n_valid))[:, None], other=0.0, cache_modifier=".cg")
-                acc += part.to(gl.float32) * w[:, None]
-            final = (b64 * n_new * heads + r) * 512
-            gl.store(fo_ptr + final[:, None] + c + d[None, :], acc.to(fo_ptr.dtype.element_ty), mask=ok[:, None])
-        if HALF_IDX == 0:
-            gl.store(flse_ptr + b64 * n_new * heads + r, gl.where(none, float("-inf"), m_safe + gl.log(t_safe)),
-                     mask=ok)
-            gl.store(cnt_ptr + b64 * m_blocks + m_block, 0)  # ready for the next launch
-
-
-@gluon.jit
-def _consumer(ctx, out_args, rows_args, span, qk_scale, merge, HALF_IDX: gl.constexpr, FUSED_MERGE: gl.constexpr):
+def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
     """Columns [HALF_IDX · 256, +256) of the output of one 64-row block over the split's tiles. Every tile's
     scores are computed in both warpgroups: twice the score work, but nothing to exchange (handing P over instead
     was no faster: benchmarks/NOTES.md, issue 6, session i)."""
@@ -254,29 +197,26 @@ def _consumer(ctx, out_args, rows_args, span, qk_scale, merge, HALF_IDX: gl.cons
                   n0, end)
         mbarrier.arrive(empty.index(s))
     _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX)
-    if FUSED_MERGE:
-        _merge_if_last(merge, out_args, rows_args, HALF_IDX)
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, rows_args, span, qk_scale, merge, FUSED_MERGE: gl.constexpr):
-    _consumer(ctx, out_args, rows_args, span, qk_scale, merge, 0, FUSED_MERGE)
+def _consumer_default(ctx, out_args, rows_args, span, qk_scale):
+    _consumer(ctx, out_args, rows_args, span, qk_scale, 0)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, rows_args, span, qk_scale, merge, FUSED_MERGE: gl.constexpr):
-    _consumer(ctx, out_args, rows_args, span, qk_scale, merge, 1, FUSED_MERGE)
+def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
+    _consumer(ctx, out_args, rows_args, span, qk_scale, 1)
 
 
 @gluon.jit
 def _mla_decode_ws_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr,
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
     n_new, heads, page_size, n_rows, qk_scale, chunk_min, num_splits,
     SPLIT: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    FUSED_MERGE: gl.constexpr,
 ):
     m_block = gl.program_id(0)
     split = gl.program_id(1)
@@ -285,16 +225,6 @@ def _mla_decode_ws_kernel(
     start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
     if SPLIT:
         if split >= n_valid:  # the merge skips these splits
-            if FUSED_MERGE and split == 0:  # an empty sequence: no split arrives to merge, o = 0, lse = −inf
-                zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, zl))
-                final = batch.to(gl.int64) * n_new * heads + r
-                d = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, zl))
-                gl.store(fo_ptr + final[:, None] * KV_LORA + d[None, :],
-                         gl.zeros([BLOCK_M, KV_LORA], fo_ptr.dtype.element_ty, layout=zl),
-                         mask=(r < n_new * heads)[:, None])
-                gl.store(flse_ptr + final, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, zl)),
-                         mask=r < n_new * heads)
             return
     b64 = batch.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
@@ -318,15 +248,9 @@ def _mla_decode_ws_kernel(
                 stride_ls)
     rows_args = (m_block, b64, n_new, heads)
     span = (start, end, n_tiles, seq_len)
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    verdict = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    flag = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    mbarrier.init(done, count=2)
-    mbarrier.init(verdict, count=1)
-    merge = (fo_ptr, flse_ptr, cnt_ptr, n_valid, gl.num_programs(0), done, verdict, flag)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, rows_args, span, qk_scale, merge, FUSED_MERGE)),
-        (_consumer_worker, (ctx, out_args, rows_args, span, qk_scale, merge, FUSED_MERGE)),
+        (_consumer_default, (ctx, out_args, rows_args, span, qk_scale)),
+        (_consumer_worker, (ctx, out_args, rows_args, span, qk_scale)),
         (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -345,17 +269,15 @@ def supported(q, cache, block_n=BLOCK_N):
 
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits,
-                  block_n=BLOCK_N, stages=STAGES, merged=None):
+                  block_n=BLOCK_N, stages=STAGES):
     """Launch over (m-blocks of 64 rows, splits, batch); out/out_l: the final o/lse (one split, os_/ls split
-    strides 0) or fp32 partials [B, Q, H, S, 512] / [B, Q, H, S]; merged: (o, lse, zeroed counters) for the
-    in-kernel merge (≤ MAX_FUSED_SPLITS splits), else the caller runs the merge kernel."""
+    strides 0) or fp32 partials [B, Q, H, S, 512] / [B, Q, H, S] for the merge kernel."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
-    fo, flse, counters = merged if merged is not None else (out, out_l, out_l)
     _mla_decode_ws_kernel[(m_blocks, num_splits, batch)](
-        q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, fo, flse, counters,
+        q_nope, q_pe, cache, block_tables, seq_lens, out, out_l,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0), *os_, *ls,
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, chunk_min, num_splits,
         SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS, FUSED_MERGE=merged is not None, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
