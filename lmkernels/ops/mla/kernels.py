@@ -21,9 +21,10 @@ context) of the length read on the device, so the launch depends only on shapes 
 sync). Where no merge kernel follows (one split, or the in-kernel merge) the decode kernel is launched with
 programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
 dtype in registers before the dots.
-64-row blocks (128 heads) of a 16-bit cache on Hopper run the warp-specialised Gluon kernel of kernels_ws.py
-(a TMA loader warp and two consumer warpgroups); this kernel remains the path everywhere else and the one the
-CPU tests run (the interpreter cannot run Gluon).
+On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (and 16 rows of long contexts in batches:
+decode_config) run the warp-specialised Gluon kernel of kernels_ws.py instead (a TMA loader warp and two
+consumer warpgroups, 64-row blocks); this kernel remains the path everywhere else and the one the CPU tests run
+(the interpreter cannot run Gluon).
 """
 
 import torch
@@ -421,7 +422,8 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
 PDL = True
 # the Gluon kernel for 16 rows (16 heads, one token) from these bounds on (H100, session i: 32k +4%, B=128 8k +3%,
-# B=32 8k ±0, 1k −3 to −13%, B=1 8k / 32k −6%); 32 rows (MTP) take it always (+5–12%)
+# B=32 8k ±0, 1k −3 to −13%, B=1 8k / 32k −6%: the batch bound lies between the measured 1 and 32); 32 rows (MTP)
+# take it always (+5–12%)
 WS_MIN_CONTEXT_16_ROWS, WS_MIN_BATCH_16_ROWS = 8192, 16
 
 
