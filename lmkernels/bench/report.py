@@ -166,14 +166,18 @@ def table_rows(result: dict):
     rows = result.get("rows", [])
     names = peer_names(rows)
     units = any("unit" in row for row in rows)
+    gemm = any(row.get("pct_gemm") is not None for row in rows)  # suites with compute-bound rows (mla)
     header = ["op", "shape", "dtype", *(["unit"] if units else []), "ours" if units else "ours GB/s", "% of copy",
-              *names, "best peer" if units else "best (compile/Liger)", "ours / best", "goal"]
+              *(["% of GEMM"] if gemm else []), *names, "best peer" if units else "best (compile/Liger)",
+              "ours / best", "goal"]
     body = []
     for row in rows:
         body.append([
             row.get("op", "?"), row.get("label", "?"), row.get("dtype", ""),
             *([row.get("unit", "GB/s")] if units else []), ours_cell(row),
-            _num(row.get("pct_copy"), "{:.1f}%"), *[peer_cell(row, n) for n in names],
+            _num(row.get("pct_copy"), "{:.1f}%"),
+            *([_num(row.get("pct_gemm") if row.get("unit") == "TFLOP/s" else None, "{:.1f}%")] if gemm else []),
+            *[peer_cell(row, n) for n in names],
             best_cell(row), ratio_cell(row), goal_text(row),
         ])
     return header, body
