@@ -262,11 +262,21 @@ MAXNREG = 168
 CONSUMER_REGS = 240
 
 
+# Gluon is experimental and its API moves between releases: the kernel runs only on the triton it was built and
+# checked with; elsewhere mla_decode takes the Triton kernel (same math)
+TRITON_VERSIONS = ("3.6",)
+
+
+def triton_ok():
+    return triton.__version__.startswith(TRITON_VERSIONS)
+
+
 def supported(q, cache, block_n=BLOCK_N):
-    """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole key tiles, TMA-aligned cache."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.dtype == cache.dtype
-            and cache.dtype in (torch.bfloat16, torch.float16) and cache.shape[1] % block_n == 0
-            and cache.data_ptr() % 16 == 0)
+    """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole key tiles, TMA-aligned cache, a checked
+    triton."""
+    return (q.is_cuda and triton_ok() and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype == cache.dtype and cache.dtype in (torch.bfloat16, torch.float16)
+            and cache.shape[1] % block_n == 0 and cache.data_ptr() % 16 == 0)
 
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits,
