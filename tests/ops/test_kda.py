@@ -1,9 +1,15 @@
 """KDA prefill and decode kernels (Triton interpreter, fp16/fp32) against the float64 recurrence."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton
 
-from lmkernels.ops.kda import kda_decode, kda_prefill
+from lmkernels.ops.kda import kda_decode, kda_prefill, kernels, state_gluon
 from lmkernels.ops.kda import reference as R
 
 
@@ -336,3 +342,26 @@ def test_segment_table_pieces():
         assert ps[0][2] == -1 and ps[-1][3] == -1 and ps[0][0] == cu[n] and ps[-1][1] == cu[n + 1]
         for x, y in zip(ps, ps[1:]):
             assert x[3] == y[2] >= 0 and x[1] == y[0]
+
+
+@pytest.mark.skipif(not triton.__version__.startswith(state_gluon.TRITON_VERSIONS),
+                    reason="the Gluon state kernel runs only on the triton it was checked with")
+def test_gluon_state_kernel_compiles_for_hopper():
+    """The Gluon state kernel has no interpreter path (the GPU check runs it against the reference; its outputs are
+    bit-equal to the Triton state kernel's): here it must build for sm_90 with its design intact: mma.sync dots
+    from a cp.async ring, no wgmma, no spills. In a fresh process: the interpreter tests patch triton.language in
+    this one, and Gluon compiles through it."""
+    code = ("import json; from lmkernels.ops.kda import compile_check as C; "
+            "print(json.dumps([C.state_gluon(64), C.state_gluon(32, 'fp16', 64, 64)]))")
+    env = {k_: v_ for k_, v_ in os.environ.items() if k_ != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in json.loads(run.stdout.strip().splitlines()[-1]):
+        assert r["mma"] > 0 and r["cp_async"] > 0 and r["wgmma"] == 0 and r["stack"] == 0, r
+
+
+def test_gluon_state_kernel_chosen_for_hopper_only():
+    """16-token chunks of 16-bit inputs with int32 offsets on an sm_90 GPU; never on the CPU."""
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    assert not state_gluon.supported(q, 16, False)
+    assert kernels.GLUON_STATE_MIN_BV == 64

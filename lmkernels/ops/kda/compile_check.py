@@ -1,6 +1,6 @@
 """Compile the KDA kernels for Hopper (sm_90) without a GPU and print registers, stack (spills), shared memory and
 tensor-core instruction counts per configuration: `python -m lmkernels.ops.kda.compile_check`. A development aid
-(uses the attention family's compile helper, triton 3.6 internals)."""
+(uses the attention family's compile helper, triton 3.6 internals); the test suite uses `state_gluon`."""
 
 import sys
 
@@ -29,6 +29,18 @@ def state(cfg=None, dtype="bf16", k=128, v=128):
     return compile_kernel(K._kda_state, types, ce, cfg["state_warps"], cfg["state_stages"])
 
 
+def state_gluon(bv=64, dtype="bf16", k=128, v=128):
+    """The state kernel in Gluon (state_gluon.py); the test suite builds it here (it has no interpreter path)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import state_gluon as SG
+
+    types = {n: "*" + dtype for n in ("w", "tb", "v", "qg", "kg", "aqk", "o")}
+    types.update(gdec="*fp32", pieces="*i32", h0="*fp32", h0_idx="*i32", ht="*fp32", ht_idx="*i32", carry="*fp32")
+    ce = dict(H=32, K=k, V=v, BV=bv, BT=16, HAS_H0=True, STORE_HT=True, STAGES=SG.STAGES)
+    return compile_kernel(SG._kda_state_gluon, types, ce, 4, 1, source=GluonASTSource)
+
+
 def decode(cfg=None, dtype="bf16", k=128, v=128, n=64):
     cfg = {**K.decode_config(k, v, n, 32), **(cfg or {})}
     types = {n_: "*" + dtype for n_ in ("q", "k", "v", "g", "beta", "o")}
@@ -48,6 +60,9 @@ def main(argv=None):
         for bv in (16, 32, 64):
             for w in (4, 8):
                 _show(f"state BV{bv} w{w}", state(dict(BV=bv, state_warps=w)))
+    if which in ("state_gluon", "all"):
+        for bv in (32, 64):
+            _show(f"state (Gluon) BV{bv} w4", state_gluon(bv))
     if which in ("decode", "all"):
         for bv, w in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4)):
             _show(f"decode BV{bv} w{w}", decode(dict(BV=bv, num_warps=w)))

@@ -498,6 +498,11 @@ def segment_table(cu_list, bt, n_segments):
     return chunks, pieces, segs, slots
 
 
+# the state kernel in Gluon (state_gluon.py) for 16-token chunks on Hopper with BV ≥ 64 (H100, session i, outputs
+# bit-equal: varlen 6 H=32 +8.8%, T=8192 H=64 +10.3%, 8×1024 H=32 +5.7%, H=96 +4.4%, 8×4096 −0.7%); the BV-32
+# chain of one long sequence at H=32 runs beside the intra kernel, where it gained nothing (T=8192 +0.5%,
+# T=32768 −4.7%) although alone its step is 22% shorter (540 against 695 ns)
+GLUON_STATE, GLUON_STATE_MIN_BV = True, 64
 _META = {}
 _SIDE_STREAMS = {}
 # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool,
@@ -565,6 +570,12 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     BV = cfg["BV"]
     i64 = TUNE.get("i64", needs_int64_offsets(T, bt, H * max(K, V, bt), q, k, g, v, beta))
+    gluon_state = (cfg.get("gluon_state", GLUON_STATE and BV >= GLUON_STATE_MIN_BV) and not interpreting()
+                   and dev.type == "cuda")
+    if gluon_state:
+        from . import state_gluon
+
+        gluon_state = state_gluon.supported(q, bt, i64)
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
@@ -587,14 +598,17 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
         if side is not None:
             side.wait_stream(main)  # this segment's intra outputs
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            LAUNCHED["state"] = _kda_state[(n_pieces * H * (V // BV),)](
+            kernel, extra = ((state_gluon._kda_state_gluon, dict(STAGES=state_gluon.STAGES)) if gluon_state else
+                             (_kda_state, dict(INTERPRET=interpreting(), STAGES=cfg["state_stages"], I64=i64,
+                                               num_stages=cfg["state_stages"])))
+            LAUNCHED["state"] = kernel[(n_pieces * H * (V // BV),)](
                 w, tb, v, qg, kg, aqk, gl, o, pieces[p0:], h0 if h0 is not None else gl,
                 h0_idx if h0 is not None else pieces, ht if ht is not None else gl,
                 ht_idx if ht is not None else pieces, carry,
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), h0.stride(0) if h0 is not None else 0,
                 ht.stride(0) if ht is not None else 0,
-                H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None, INTERPRET=interpreting(),
-                STAGES=cfg["state_stages"], I64=i64, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+                H=H, K=K, V=V, BV=BV, BT=bt, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+                num_warps=cfg["state_warps"], **extra)
     if side is not None:
         main.wait_stream(side)
     return o
