@@ -406,7 +406,7 @@ def _kda_decode(
 # launchers
 
 
-def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
+def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_state=False):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md, issue 5, session g): the chunk (BT); the intra
     kernel's warps, pipeline stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state
     kernel's block of V, warps and stages; the segments the chunk list is cut into and whether each segment's
@@ -426,7 +426,10 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
     2×8192 H=32 −6%, varlen [1300 … 3063] H=32 −6%; more chains (8×1024, 4×4096) lose. 32-token programs:
     4 warps capped at 128 registers (four per SM). 16-token chunks also take the A dots in bf16 for bf16 inputs
     (A16: −3 to −6%, error 3.6e-3 → 4.0e-3 against fla's 4.5e-3) and store Qg, Kg and K ⊙ e^Γ from the A steps
-    (onepass: −1.3 to −3%, except beside a BV-32 chain, where it is 2% slower; session h)."""
+    (onepass: −1.3 to −3%, except beside a BV-32 chain, where it is 2% slower; session h).
+    gluon_state (the Gluon state kernel will run, state_gluon.py): where the overlap would use BV-32 chains (one
+    long sequence at H=32) it uses BV 64 and segments of ~1024 tokens instead (session i, H100: T=8192 H=32 −5.4%,
+    T=32768 −1.6%; with BV 32 the faster chain gained nothing beside the intra kernel)."""
     ratio = tokens * heads / max(max_len, 1)
     segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
     programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
@@ -437,6 +440,8 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1):
                    state_warps=4, state_stages=3, PREC="tf32", A16=1, onepass=True, SAFE=1, segments=1, overlap=False)
         if ratio <= OVERLAP_RATIO and segments >= 2:
             cfg.update(overlap)
+            if gluon_state and cfg["BV"] < GLUON_STATE_MIN_BV:  # Gluon chains: BV 64, ~1024-token segments
+                cfg.update(BV=GLUON_STATE_MIN_BV, segments=max(2, min(8, max_len // 1024)))
         return cfg
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
     cfg = dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
@@ -499,9 +504,9 @@ def segment_table(cu_list, bt, n_segments):
 
 
 # the state kernel in Gluon (state_gluon.py) for 16-token chunks on Hopper with BV ≥ 64 (H100, session i, outputs
-# bit-equal: varlen 6 H=32 +8.8%, T=8192 H=64 +10.3%, 8×1024 H=32 +5.7%, H=96 +4.4%, 8×4096 −0.7%); the BV-32
-# chain of one long sequence at H=32 runs beside the intra kernel, where it gained nothing (T=8192 +0.5%,
-# T=32768 −4.7%) although alone its step is 22% shorter (540 against 695 ns)
+# bit-equal: varlen 6 H=32 +8.8%, T=8192 H=64 +10.3%, 8×1024 H=32 +5.7%, H=96 +4.4%, 8×4096 −0.7%); with BV-32
+# chains beside the intra kernel (one long sequence at H=32) it gained nothing (T=8192 +0.5%, T=32768 −4.7%)
+# although alone its step is 22% shorter (540 against 695 ns), so there prefill_config moves to BV 64
 GLUON_STATE, GLUON_STATE_MIN_BV = True, 64
 _META = {}
 _SIDE_STREAMS = {}
@@ -555,7 +560,13 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
     max_len = max(lens)
     long_seqs = sum(2 * n >= max_len for n in lens)
-    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs), **TUNE.get("prefill", {}), **(config or {})}
+    gluon_dev = GLUON_STATE and not interpreting() and dev.type == "cuda"
+    if gluon_dev:
+        from . import state_gluon
+
+        gluon_dev = state_gluon.supported(q)
+    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs, gluon_dev), **TUNE.get("prefill", {}),
+           **(config or {})}
     bt = cfg["BT"]
     chunks, pieces, segs, nc, slots = _metadata(cu_list, dev, bt, cfg["segments"])
     it = q.dtype
@@ -570,12 +581,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
     BV = cfg["BV"]
     i64 = TUNE.get("i64", needs_int64_offsets(T, bt, H * max(K, V, bt), q, k, g, v, beta))
-    gluon_state = (cfg.get("gluon_state", GLUON_STATE and BV >= GLUON_STATE_MIN_BV) and not interpreting()
-                   and dev.type == "cuda")
-    if gluon_state:
-        from . import state_gluon
-
-        gluon_state = state_gluon.supported(q, bt, i64)
+    gluon_state = (cfg.get("gluon_state", BV >= GLUON_STATE_MIN_BV) and gluon_dev
+                   and state_gluon.supported(q, bt, i64))
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)

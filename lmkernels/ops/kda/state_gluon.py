@@ -128,7 +128,7 @@ def _kda_state_gluon(
             gl.store(ht + i1 * s_ht + idx, S)
 
 
-def supported(q, bt, i64):
+def supported(q, bt=16, i64=False):
     """16-token chunks of 16-bit inputs with int32 offsets on Hopper, under the triton this was checked with."""
     return (q.is_cuda and bt == 16 and not i64 and q.dtype in (torch.bfloat16, torch.float16)
             and triton.__version__.startswith(TRITON_VERSIONS) and torch.cuda.get_device_capability(q.device) == (9, 0))
