@@ -20,6 +20,8 @@ boundary:
    U = Tb V (off the chain; storing U from the intra kernel instead cost 2 × T·H·V values of traffic, −3 to
    −6%), Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read
    from and written to a state pool.
+   On Hopper, 16-token chunks with BV ≥ 64 run the same step from state_gluon.py (Gluon: no shared-memory
+   round trips in the chain; bit-equal outputs).
 Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
 """
 

@@ -1,13 +1,14 @@
 """The KDA state kernel (kernels._kda_state's math and arguments, 16-token chunks) written in Gluon, for Hopper.
 
-Why: one long sequence is bound by the state kernel's chain of dependent chunk updates. In the Triton kernel the
-state S [K, BV] lives in the accumulator layout of the update dot with its rows split across the warps, so every
-step moves S and Ũ through shared memory, behind barriers, to become the right operand of the next dots. Here
-each warp owns BV / num_warps value columns of S for all K rows (mma.sync layout with the warps along N): W·S,
-Qg·S, Aqkᵀ-side and Kgᵀ·Ũ of a column block need only that warp's own S and Ũ, so the operand changes are
-register shuffles and the chain has no barrier. The loaded operands (W, Qg, Kg, Tb, Aqk, V, e^Γ_C) come through
-a cp.async ring in swizzled shared memory, STAGES − 1 chunks ahead. Same dots in the same order as the Triton
-kernel: the outputs are bit-equal on the GPU (benchmarks/NOTES.md, issue 5, session i).
+Why: the state kernel is a chain of dependent chunk updates. In the Triton kernel the state S [K, BV] lives in
+the accumulator layout of the update dot with its rows split across the warps, so every step moves S and Ũ
+through shared memory, behind barriers, to become the right operand of the next dots. Here each warp owns
+BV / num_warps value columns of S for all K rows (mma.sync layout with the warps along N): W·S, Qg·S, Aqk·Ũ and
+Kgᵀ·Ũ for those columns need only that warp's own S and Ũ, so the operand changes are register shuffles and
+the chain has no barrier. The loaded operands (W, Qg, Kg, Tb, Aqk, V, e^Γ_C) come through a cp.async ring in
+swizzled shared memory, STAGES − 1 chunks ahead, one barrier a step. Same dots in the same order as the Triton
+kernel: the outputs are bit-equal on the GPU. A step alone: 540 ns against 695 (BV 32); in the prefill +4–10% at
+BV 64, nothing at BV 32 beside the intra kernel (benchmarks/NOTES.md, issue 5, session i; kernels.GLUON_STATE).
 Compiled kernels only: the interpreter cannot run Gluon (CPU tests run the Triton kernel; `lmkernels check`
 runs this one on the GPU)."""
 
