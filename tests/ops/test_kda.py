@@ -1,16 +1,12 @@
 """KDA prefill and decode kernels (Triton interpreter, fp16/fp32) against the float64 recurrence."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
 
 from lmkernels.ops.kda import kda_decode, kda_prefill, kernels, state_gluon
 from lmkernels.ops.kda import reference as R
+from tests.helpers import compile_in_fresh_process
 
 
 def rel(a, b):
@@ -351,12 +347,8 @@ def test_gluon_state_kernel_compiles_for_hopper():
     bit-equal to the Triton state kernel's): here it must build for sm_90 with its design intact: mma.sync dots
     from a cp.async ring, no wgmma, no spills. In a fresh process: the interpreter tests patch triton.language in
     this one, and Gluon compiles through it."""
-    code = ("import json; from lmkernels.ops.kda import compile_check as C; "
-            "print(json.dumps([C.state_gluon(64), C.state_gluon(32, 'fp16', 64, 64)]))")
-    env = {k_: v_ for k_, v_ in os.environ.items() if k_ != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in json.loads(run.stdout.strip().splitlines()[-1]):
+    C = "lmkernels.ops.kda.compile_check"
+    for r in compile_in_fresh_process(f"[{C}.state_gluon(64), {C}.state_gluon(32, 'fp16', 64, 64)]"):
         assert r["mma"] > 0 and r["cp_async"] > 0 and r["wgmma"] == 0 and r["stack"] == 0, r
 
 

@@ -118,7 +118,8 @@ def _kda_state_gluon(
         unb = gl.convert_layout(un.to(dt), lb)
         ob = mma_v2(sa.index(s).load(la), unb, mma_v2(sq.index(s).load(la), Sb, zero))
         tok = bos + c * BT + r
-        gl.store(o + tok[:, None] * s_ot + hh * s_oh + dv[None, :], ob.to(o.dtype.element_ty), mask=(tok < eos)[:, None])
+        gl.store(o + tok[:, None] * s_ot + hh * s_oh + dv[None, :], ob.to(o.dtype.element_ty),
+                 mask=(tok < eos)[:, None])
         S = mma_v2(sk.index(s).permute((1, 0)).load(la), unb, S * sg.index(s).load(gl.SliceLayout(1, mma))[:, None])
     async_copy.wait_group(0)
     if c_out >= 0:
