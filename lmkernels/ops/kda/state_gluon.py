@@ -23,35 +23,31 @@ TRITON_VERSIONS = ("3.6",)  # Gluon's API moves between releases: only the trito
 
 
 @gluon.jit
+def _copy_rows(dst, src, row0, eos, row_stride, col0, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+    """cp.async rows row0 … row0 + ROWS (row_stride apart) and columns col0 … col0 + COLS of src into dst; rows at
+    or past eos read as 0."""
+    r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(dst, src + r[:, None] * row_stride + d[None, :], mask=(r < eos)[:, None])
+
+
+@gluon.jit
 def _issue(c, nc, bos, eos, w, qg, kg, tb, aqk, v, gdec, s_vt, s_vh, hh, c0, iv, ring,
            H: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr):
     """cp.async chunk c's operands into ring stage c % STAGES (rows past the piece's end read as 0)."""
     sw, sq, sk, st, sa, sv, sg = ring
     s = c % sw.shape[0]
+    tok0 = bos + c * BT
     nw: gl.constexpr = gl.num_warps()
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
-    r = gl.arange(0, BT, layout=gl.SliceLayout(1, ld))
-    dk = gl.arange(0, K, layout=gl.SliceLayout(0, ld))
-    tok = bos + c * BT + r
-    rm = (tok < eos)[:, None]
-    ok = tok[:, None] * (H * K) + hh * K + dk[None, :]
-    async_copy.async_copy_global_to_shared(sw.index(s), w + ok, mask=rm)
-    async_copy.async_copy_global_to_shared(sq.index(s), qg + ok, mask=rm)
-    async_copy.async_copy_global_to_shared(sk.index(s), kg + ok, mask=rm)
-    ld2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [nw, 1], [1, 0])
-    r2 = gl.arange(0, BT, layout=gl.SliceLayout(1, ld2))
-    c2 = gl.arange(0, BT, layout=gl.SliceLayout(0, ld2))
-    tok2 = bos + c * BT + r2
-    rm2 = (tok2 < eos)[:, None]
-    ob = tok2[:, None] * (H * BT) + hh * BT + c2[None, :]
-    async_copy.async_copy_global_to_shared(st.index(s), tb + ob, mask=rm2)
-    async_copy.async_copy_global_to_shared(sa.index(s), aqk + ob, mask=rm2)
-    ldv: gl.constexpr = gl.BlockedLayout([1, 8], [BT // 2, 32 // (BT // 2)], [nw, 1], [1, 0])
-    rv = gl.arange(0, BT, layout=gl.SliceLayout(1, ldv))
-    dv = iv * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ldv))
-    tokv = bos + c * BT + rv
-    async_copy.async_copy_global_to_shared(sv.index(s), v + tokv[:, None] * s_vt + hh * s_vh + dv[None, :],
-                                           mask=(tokv < eos)[:, None])
+    wide: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])  # [BT, K]
+    narrow: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [nw, 1], [1, 0])  # [BT, BT]
+    vlay: gl.constexpr = gl.BlockedLayout([1, 8], [BT // 2, 32 // (BT // 2)], [nw, 1], [1, 0])  # [BT, BV]
+    _copy_rows(sw.index(s), w, tok0, eos, H * K, hh * K, BT, K, wide)
+    _copy_rows(sq.index(s), qg, tok0, eos, H * K, hh * K, BT, K, wide)
+    _copy_rows(sk.index(s), kg, tok0, eos, H * K, hh * K, BT, K, wide)
+    _copy_rows(st.index(s), tb, tok0, eos, H * BT, hh * BT, BT, BT, narrow)
+    _copy_rows(sa.index(s), aqk, tok0, eos, H * BT, hh * BT, BT, BT, narrow)
+    _copy_rows(sv.index(s), v + hh * s_vh, tok0, eos, s_vt, iv * BV, BT, BV, vlay)
     ldg: gl.constexpr = gl.BlockedLayout([4], [32], [nw], [0])
     dg = gl.arange(0, K, layout=ldg)
     async_copy.async_copy_global_to_shared(sg.index(s), gdec + ((c0 + c) * H + hh) * K + dg,
