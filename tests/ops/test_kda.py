@@ -4,7 +4,7 @@ import pytest
 import torch
 import triton
 
-from lmkernels.ops.kda import kda_decode, kda_prefill, kernels, state_gluon
+from lmkernels.ops.kda import intra_gluon, kda_decode, kda_prefill, kernels, state_gluon
 from lmkernels.ops.kda import reference as R
 from tests.helpers import compile_in_fresh_process
 
@@ -257,6 +257,11 @@ def test_prefill_chunk_choice():
     few_heads = prefill_config(128, 128, 1, 16, 8192, 8192)
     assert few_heads["BT"] == 32 and few_heads["overlap"] and few_heads["segments"] == 4
     assert not prefill_config(128, 128, 1, 16, 2000, 2000)["overlap"]  # too short to cut
+    # the Gluon state kernel: BV-64 chains, with ~1024-token segments beside the Triton intra kernel only
+    gs = prefill_config(128, 128, 1, 32, 8192, 8192, gluon_state=True)
+    assert gs["overlap"] and gs["BV"] == 64 and gs["segments"] == 8
+    both = prefill_config(128, 128, 1, 32, 8192, 8192, gluon_state=True, gluon_intra=True)
+    assert both["overlap"] and both["BV"] == 64 and both["segments"] == 4
 
 
 @pytest.mark.parametrize("segments", [2, 5])
@@ -357,3 +362,34 @@ def test_gluon_state_kernel_chosen_for_hopper_only():
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     assert not state_gluon.supported(q, 16, False)
     assert kernels.GLUON_STATE_MIN_BV == 64
+
+
+@pytest.mark.skipif(not triton.__version__.startswith(intra_gluon.TRITON_VERSIONS),
+                    reason="the Gluon intra kernel runs only on the triton it was checked with")
+def test_gluon_intra_kernel_compiles_for_hopper():
+    """The Gluon intra kernel has no interpreter path (the GPU check runs it against the reference; its outputs agree
+    with the Triton intra kernel's to bf16 rounding): here it must build for sm_90 as designed, for K = 128 and 64:
+    q, k, g by cp.async, mma.sync dots, no wgmma, no spills. In a fresh process (see the state kernel's test)."""
+    C = "lmkernels.ops.kda.compile_check"
+    got = compile_in_fresh_process(f"[{C}.intra_gluon(32), {C}.intra_gluon(32, 64)]")
+    for r, dots in zip(got, (72, 48)):  # A and Aq per step, six tf32 dots of the inverse, W per step
+        assert r["mma"] == dots and r["cp_async"] > 0 and r["wgmma"] == 0 and r["stack"] == 0, r
+
+
+def test_gluon_intra_kernel_eligibility():
+    """What the Gluon intra kernel takes: 16-token chunks of bf16 inputs with the safe gate and int32 offsets, q, k,
+    g in 16-byte pieces; never a CPU tensor."""
+    T, H, K = 40, 4, 128
+    q, k, g = (torch.randn(T, H, K).to(torch.bfloat16) for _ in range(3))
+    ok = triton.__version__.startswith(intra_gluon.TRITON_VERSIONS)
+    assert intra_gluon.eligible(q, k, g, gate=2, safe=True) == ok
+    packed = torch.randn(T, H, 3 * K).to(torch.bfloat16)  # views of one projection: head stride 3K
+    assert intra_gluon.eligible(packed[..., :K], packed[..., K:2 * K], g, 2, True) == ok
+    odd = torch.randn(T, H, K + 8).to(torch.bfloat16)[..., :K]  # head stride 136: not a multiple of 16
+    assert not intra_gluon.eligible(odd, k, g, 2, True)
+    assert not intra_gluon.eligible(q.half(), k.half(), g.half(), 2, True)
+    assert not intra_gluon.eligible(q, k, g, gate=1, safe=False)  # softplus gate: the exact per-element path
+    assert not intra_gluon.eligible(q, k, g, gate=2, safe=False)  # lower_bound below SAFE_MIN_LOWER_BOUND
+    assert not intra_gluon.eligible(q, k, g, 2, True, bt=32)
+    assert not intra_gluon.eligible(q, k, g, 2, True, i64=True)
+    assert not intra_gluon.supported(q, k, g, 2, True)  # a CPU tensor

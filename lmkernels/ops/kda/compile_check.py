@@ -41,6 +41,18 @@ def state_gluon(bv=64, dtype="bf16", k=128, v=128):
     return compile_kernel(SG._kda_state_gluon, types, ce, 4, 1, source=GluonASTSource)
 
 
+def intra_gluon(bc=64, k=128):
+    """The intra kernel in Gluon (intra_gluon.py; no interpreter path), one warp a program."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import intra_gluon as IG
+
+    types = {n: "*bf16" for n in ("q", "k", "g", "beta", "w", "tb", "qg", "kg", "aqk")}
+    types.update(A_log="*fp32", dt_bias="*fp32", gdec="*fp32", chunks="*i32", scale="fp32", lower_bound="fp32")
+    ce = dict(S_QT=32 * k, S_KT=32 * k, S_GT=32 * k, H=32, K=k, BC=bc, HAS_BIAS=True, BETA_SIG=True, L2=True)
+    return compile_kernel(IG._kda_intra_gluon, types, ce, 1, 1, source=GluonASTSource)
+
+
 def decode(cfg=None, dtype="bf16", k=128, v=128, n=64):
     cfg = {**K.decode_config(k, v, n, 32), **(cfg or {})}
     types = {n_: "*" + dtype for n_ in ("q", "k", "v", "g", "beta", "o")}
@@ -56,6 +68,9 @@ def main(argv=None):
             for bk in (16, 32, 64):
                 _show(f"intra safe w{w} BK{bk}", intra(dict(intra_warps=w, BK=bk)))
         _show("intra softplus (per-element) w4", intra(dict(intra_warps=4), gate=1))
+    if which in ("intra_gluon", "all"):
+        for bc in (32, 64):
+            _show(f"intra (Gluon) BC{bc} w1", intra_gluon(bc))
     if which in ("state", "all"):
         for bv in (16, 32, 64):
             for w in (4, 8):

@@ -21,7 +21,8 @@ boundary:
    −6%), Ũ = U − W S, O = Qg S + Aqk Ũ, S ← Diag(e^Γ_C) S + Kgᵀ Ũ; the state S stays in fp32 registers, read
    from and written to a state pool.
    On Hopper, 16-token chunks with BV ≥ 64 run the same step from state_gluon.py (Gluon: no shared-memory
-   round trips in the chain; bit-equal outputs).
+   round trips in the chain; bit-equal outputs), and 16-token chunks of bf16 inputs with the safe gate run the
+   intra kernel from intra_gluon.py (Gluon: one warp per chunk and head, Γ scanned in-thread).
 Decode: `_kda_decode`, one program per sequence, head and V block; the state is updated in place.
 """
 
@@ -408,7 +409,7 @@ def _kda_decode(
 # launchers
 
 
-def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_state=False):
+def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_state=False, gluon_intra=False):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md, issue 5, session g): the chunk (BT); the intra
     kernel's warps, pipeline stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state
     kernel's block of V, warps and stages; the segments the chunk list is cut into and whether each segment's
@@ -430,8 +431,9 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_stat
     (A16: −3 to −6%, error 3.6e-3 → 4.0e-3 against fla's 4.5e-3) and store Qg, Kg and K ⊙ e^Γ from the A steps
     (onepass: −1.3 to −3%, except beside a BV-32 chain, where it is 2% slower; session h).
     gluon_state (the Gluon state kernel will run, state_gluon.py): where the overlap would use BV-32 chains (one
-    long sequence at H=32) it uses BV 64 and segments of ~1024 tokens instead (session i, H100: T=8192 H=32 −5.4%,
-    T=32768 −1.6%; with BV 32 the faster chain gained nothing beside the intra kernel)."""
+    long sequence at H=32) it uses BV 64, with segments of ~1024 tokens beside the Triton intra kernel (session i,
+    H100: T=8192 H=32 −5.4%, T=32768 −1.6%; with BV 32 the faster chain gained nothing beside the intra kernel) and
+    the usual ~2048 beside the Gluon one (gluon_intra, intra_gluon.py; session j: T=8192 H=32 −9% against 1024)."""
     ratio = tokens * heads / max(max_len, 1)
     segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
     programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
@@ -442,8 +444,10 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_stat
                    state_warps=4, state_stages=3, PREC="tf32", A16=1, onepass=True, SAFE=1, segments=1, overlap=False)
         if ratio <= OVERLAP_RATIO and segments >= 2:
             cfg.update(overlap)
-            if gluon_state and cfg["BV"] < GLUON_STATE_MIN_BV:  # Gluon chains: BV 64, ~1024-token segments
-                cfg.update(BV=GLUON_STATE_MIN_BV, segments=max(2, min(8, max_len // 1024)))
+            if gluon_state and cfg["BV"] < GLUON_STATE_MIN_BV:  # Gluon chains: BV 64
+                cfg.update(BV=GLUON_STATE_MIN_BV)
+                if not gluon_intra:  # beside the slower Triton intra kernel, ~1024-token segments
+                    cfg.update(segments=max(2, min(8, max_len // 1024)))
         return cfg
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
     cfg = dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
@@ -510,6 +514,9 @@ def segment_table(cu_list, bt, n_segments):
 # chains beside the intra kernel (one long sequence at H=32) it gained nothing (T=8192 +0.5%, T=32768 −4.7%)
 # although alone its step is 22% shorter (540 against 695 ns), so there prefill_config moves to BV 64
 GLUON_STATE, GLUON_STATE_MIN_BV = True, 64
+# the intra kernel in Gluon (intra_gluon.py) for 16-token chunks of bf16 inputs with the safe gate on Hopper, BC key
+# channels a step (H100, session j: every suite row 5–19% faster in the whole prefill; BC 64 within ±2%)
+GLUON_INTRA, GLUON_INTRA_BC = True, 32
 _META = {}
 _SIDE_STREAMS = {}
 # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool,
@@ -562,13 +569,16 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
     max_len = max(lens)
     long_seqs = sum(2 * n >= max_len for n in lens)
-    gluon_dev = GLUON_STATE and not interpreting() and dev.type == "cuda"
+    gate = 0 if A_log is None else (1 if lower_bound is None else 2)
+    safe_gate = gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND
+    gluon_dev = not interpreting() and dev.type == "cuda"
     if gluon_dev:
-        from . import state_gluon
+        from . import intra_gluon, state_gluon
 
-        gluon_dev = state_gluon.supported(q)
-    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs, gluon_dev), **TUNE.get("prefill", {}),
-           **(config or {})}
+        gluon_dev = state_gluon.supported(q)  # Hopper, 16-bit inputs, the triton the Gluon kernels were checked with
+    gluon_intra_dev = GLUON_INTRA and gluon_dev and intra_gluon.supported(q, k, g, gate, safe_gate)
+    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs, GLUON_STATE and gluon_dev, gluon_intra_dev),
+           **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
     chunks, pieces, segs, nc, slots = _metadata(cu_list, dev, bt, cfg["segments"])
     it = q.dtype
@@ -579,17 +589,23 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     aqk = torch.empty(T, H, bt, device=dev, dtype=it)
     gl = torch.empty(max(nc, 1), H, K, device=dev, dtype=torch.float32)
     carry = torch.empty(max(slots, 1), H, K, V, device=dev, dtype=torch.float32)
-    gate = 0 if A_log is None else (1 if lower_bound is None else 2)
-    safe = bool(cfg["SAFE"]) if gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND else 0
+    safe = bool(cfg["SAFE"]) if safe_gate else 0
     BV = cfg["BV"]
     i64 = TUNE.get("i64", needs_int64_offsets(T, bt, H * max(K, V, bt), q, k, g, v, beta))
-    gluon_state = (cfg.get("gluon_state", BV >= GLUON_STATE_MIN_BV) and gluon_dev
+    gluon_state = (cfg.get("gluon_state", GLUON_STATE and BV >= GLUON_STATE_MIN_BV) and gluon_dev
                    and state_gluon.supported(q, bt, i64))
+    gluon_intra = cfg.get("gluon_intra", gluon_intra_dev) and gluon_dev and intra_gluon.supported(q, k, g, gate, safe, bt, i64)
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
     for a, b, p0, n_pieces in segs:
-        if b > a:
+        if b > a and gluon_intra:
+            LAUNCHED["intra"] = intra_gluon._kda_intra_gluon[((b - a) * H,)](
+                q, k, g, beta, A_log, dt_bias if dt_bias is not None else q, w, tb, qg, kg, aqk, gl[a:], chunks[a:],
+                q.stride(1), k.stride(1), g.stride(1), beta.stride(0), beta.stride(1), float(scale), float(lower_bound),
+                S_QT=q.stride(0), S_KT=k.stride(0), S_GT=g.stride(0), H=H, K=K, BC=min(cfg.get("BC", GLUON_INTRA_BC), K),
+                HAS_BIAS=dt_bias is not None, BETA_SIG=bool(beta_sig), L2=bool(l2), num_warps=1)
+        elif b > a:
             LAUNCHED["intra"] = _kda_intra[(b - a, H)](
                 q, k, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
                 w, tb, qg, kg, aqk, gl[a:], chunks[a:],
