@@ -260,8 +260,16 @@ def test_prefill_chunk_choice():
     # the Gluon state kernel: BV-64 chains, with ~1024-token segments beside the Triton intra kernel only
     gs = prefill_config(128, 128, 1, 32, 8192, 8192, gluon_state=True)
     assert gs["overlap"] and gs["BV"] == 64 and gs["segments"] == 8
-    both = prefill_config(128, 128, 1, 32, 8192, 8192, gluon_state=True, gluon_intra=True)
+    both = prefill_config(128, 128, 1, 32, 8192, 8192, gluon_state=True, gluon_intra=True, num_sms=132)
     assert both["overlap"] and both["BV"] == 64 and both["segments"] == 4
+    # beside the Gluon intra kernel, no overlap where the chains fill whole waves: 128 on 132 SMs, not 192 or 96
+    h64 = dict(gluon_state=True, gluon_intra=True, num_sms=132)
+    assert not prefill_config(128, 128, 1, 64, 8192, 8192, **h64)["overlap"]
+    assert prefill_config(128, 128, 1, 96, 8192, 8192, **h64)["overlap"]
+    assert prefill_config(128, 128, 1, 48, 8192, 8192, **h64)["overlap"]
+    assert prefill_config(128, 128, 1, 64, 8192, 8192, gluon_state=True)["overlap"]  # Triton intra kernel
+    ragged = prefill_config(128, 128, 6, 32, 8192, 3063, 2, full_seqs=1, **h64)  # one chain per head is long
+    assert ragged["overlap"] and ragged["segments"] == 2
 
 
 @pytest.mark.parametrize("segments", [2, 5])

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import interpreting
+from ..._utils import interpreting, sm_count
 
 # 16-token chunks where tokens × heads ≥ CHAIN_RATIO × the longest sequence, the state kernels beside the intra
 # kernel up to OVERLAP_RATIO × (prefill_config)
@@ -409,7 +409,8 @@ def _kda_decode(
 # launchers
 
 
-def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_state=False, gluon_intra=False):
+def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_state=False, gluon_intra=False,
+                   full_seqs=1, num_sms=0):
     """Launch parameters (H100 A/Bs in benchmarks/NOTES.md, issue 5, session g): the chunk (BT); the intra
     kernel's warps, pipeline stages, register cap, key channels per A step (BK) and per W/U step (BKW); the state
     kernel's block of V, warps and stages; the segments the chunk list is cut into and whether each segment's
@@ -433,7 +434,11 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_stat
     gluon_state (the Gluon state kernel will run, state_gluon.py): where the overlap would use BV-32 chains (one
     long sequence at H=32) it uses BV 64, with segments of ~1024 tokens beside the Triton intra kernel (session i,
     H100: T=8192 H=32 −5.4%, T=32768 −1.6%; with BV 32 the faster chain gained nothing beside the intra kernel) and
-    the usual ~2048 beside the Gluon one (gluon_intra, intra_gluon.py; session j: T=8192 H=32 −9% against 1024)."""
+    the usual ~2048 beside the Gluon one (gluon_intra, intra_gluon.py; session j: T=8192 H=32 −9% against 1024).
+    Beside the Gluon intra kernel, no overlap where the chains of the full_seqs sequences within 10% of the longest
+    fill their waves of num_sms SMs to ≥ 90%: the state kernel then uses the whole GPU after the intra kernel, and
+    sharing the SMs costs more than it hides (session j, one sequence: 128 chains at H=64 −7% at 8k, −8% at 16k, −3%
+    at 32k without the overlap; 64 chains at H=32 +14%, 96 at H=48 +4%, 192 at H=96 +6% with it)."""
     ratio = tokens * heads / max(max_len, 1)
     segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
     programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
@@ -448,6 +453,9 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_stat
                 cfg.update(BV=GLUON_STATE_MIN_BV)
                 if not gluon_intra:  # beside the slower Triton intra kernel, ~1024-token segments
                     cfg.update(segments=max(2, min(8, max_len // 1024)))
+            chains = full_seqs * heads * (V // cfg["BV"])
+            if gluon_intra and num_sms and chains >= 0.9 * num_sms * -(-chains // num_sms):
+                cfg.update(segments=1, overlap=False)
         return cfg
     bv = 32 if n_seqs * heads * (V // 32) >= 96 else 16
     cfg = dict(BT=32, intra_warps=4, intra_stages=3, intra_maxnreg=128, BK=16, BKW=64, BV=min(bv, V), state_warps=4,
@@ -569,6 +577,7 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
     max_len = max(lens)
     long_seqs = sum(2 * n >= max_len for n in lens)
+    full_seqs = sum(10 * n >= 9 * max_len for n in lens)
     gate = 0 if A_log is None else (1 if lower_bound is None else 2)
     safe_gate = gate == 2 and lower_bound >= SAFE_MIN_LOWER_BOUND
     gluon_dev = not interpreting() and dev.type == "cuda"
@@ -577,7 +586,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
 
         gluon_dev = state_gluon.supported(q)  # Hopper, 16-bit inputs, the triton the Gluon kernels were checked with
     gluon_intra_dev = GLUON_INTRA and gluon_dev and intra_gluon.supported(q, k, g, gate, safe_gate)
-    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs, GLUON_STATE and gluon_dev, gluon_intra_dev),
+    cfg = {**prefill_config(K, V, n_seqs, H, T, max_len, long_seqs, GLUON_STATE and gluon_dev, gluon_intra_dev,
+                            full_seqs, sm_count(dev) if gluon_intra_dev else 0),
            **TUNE.get("prefill", {}), **(config or {})}
     bt = cfg["BT"]
     chunks, pieces, segs, nc, slots = _metadata(cu_list, dev, bt, cfg["segments"])
