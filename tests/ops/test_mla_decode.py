@@ -192,11 +192,12 @@ def test_decode_fake_shapes():
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused,merge_rows", [(True, None), (False, True), (False, False)])
 @pytest.mark.parametrize("splits", [2, 4, 7])
-def test_decode_merge_paths(monkeypatch, fused, splits):
+def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
     """The split merge inside the decode kernel (≤ FUSED_MAX_SPLITS splits, 16-bit partials; the last split of a
-    sequence to arrive merges, its counter is reset for the next call) and the separate merge kernel. Outputs and
+    sequence to arrive merges, its counter is reset for the next call) and the two separate merge kernels (whole
+    rows × all splits per program, or one row walking its splits). Outputs and
     partials start as NaN (torch.empty poisoned), cache rows past each sequence's end are NaN; ragged lengths
     leave some sequences with fewer non-empty splits than launched (and one with none: o = 0, lse = −inf); two
     calls in a row."""
@@ -211,7 +212,7 @@ def test_decode_merge_paths(monkeypatch, fused, splits):
     for b, n in enumerate(seq_lens.tolist()):
         for j in range(n, tables.shape[1] * 16):
             cache[tables[b, j // 16], j % 16] = float("nan")
-    cfg = dict(kernels.decode_config(32), FUSED_MERGE=fused)
+    cfg = dict(kernels.decode_config(32), FUSED_MERGE=fused, MERGE_ROWS=merge_rows)
     want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
     fin = torch.isfinite(want_lse)
     for _ in range(2):

@@ -403,6 +403,41 @@ def _mla_merge_kernel(
         tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
 
 
+@triton.jit
+def _mla_merge_rows_kernel(
+    part_o_ptr, part_l_ptr, len_ptr, o_ptr, lse_ptr,
+    stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+    heads, rows, chunk_min, num_splits,
+    ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """ROWS whole rows (new token × head) of one sequence, all S (≥ num_splits) partials at once: every load is
+    issued in one round after the sequence length (the one-row kernel walks the splits in dependent steps)."""
+    batch = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    seq_len = tl.load(len_ptr + batch)
+    _, _, n_valid = _split_range(seq_len, 0, chunk_min, num_splits, BLOCK_N)
+    s = tl.arange(0, S)
+    ok = (r < rows)[:, None] & (s < n_valid)[None, :]
+    tok, head = r // heads, r % heads
+    lse_s = tl.load(part_l_ptr + batch * stride_plb + (tok * stride_plt + head * stride_plh)[:, None]
+                    + s[None, :] * stride_pls, mask=ok, other=float("-inf"))
+    d = tl.arange(0, KV_LORA)
+    o_s = tl.load(part_o_ptr + batch * stride_pb + (tok * stride_pt + head * stride_ph)[:, None, None]
+                  + s[None, :, None] * stride_ps + d[None, None, :], mask=ok[:, :, None], other=0.0)
+    m = tl.max(lse_s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe[:, None])
+    total = tl.sum(w, 1)
+    t_safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(o_s.to(tl.float32) * w[:, :, None], 1) / t_safe[:, None]
+    row_ok = r < rows
+    tl.store(o_ptr + batch * stride_ob + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh,
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
+
+
 MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
 SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
@@ -416,6 +451,11 @@ MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 # B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
 # program's serial loads of 8 partials cost as much as the merge kernel they replace
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
+# the separate merge with many rows and ≤ MERGE_ROWS_SPLITS splits: whole rows × all splits per program
+# (MERGE_ROWS_ELEMS row-splits a program). H100 (benchmarks/NOTES.md, issue 6, session j), merge alone, fp32
+# partials: 128 rows × 2 splits 10.7 → 8.1 µs, 32 rows × 4 splits 5.7 → 5.2; whole calls: 128 heads B=32 1k +7.6%,
+# 8k +1.3%; 8 splits (one row a program) 5.7 → 8.3 µs, so not there
+MERGE_ROWS, MERGE_ROWS_SPLITS, MERGE_ROWS_ELEMS = True, 4, 8
 MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # programmatic dependent launch of the decode kernel where no merge kernel follows it (one split, or the fused
 # merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
@@ -538,6 +578,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
     partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
+    merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     if num_splits == 1:
@@ -552,7 +593,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
                       num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"])
         if num_splits > 1:
-            merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
+            merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"], merge_rows)
         return o, lse
     counters = _counters(o.device, batch * m_blocks) if fused else None
     _mla_decode_kernel[(m_blocks, num_splits, batch)](
@@ -563,14 +604,27 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         FUSED_MERGE=fused, USE_PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not fused:
-        merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"])
+        merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"], merge_rows)
     return o, lse
 
 
-def merge_partials(out, out_l, seq_lens, o, lse, chunk_min, block_n):
-    """The separate merge kernel: partials out [B, Q, H, S, 512], out_l [B, Q, H, S] → o, lse."""
+def merge_partials(out, out_l, seq_lens, o, lse, chunk_min, block_n, rows_kernel=None):
+    """The separate merge: partials out [B, Q, H, S, 512], out_l [B, Q, H, S] → o, lse. Whole rows × all splits per
+    program where there are many rows and few splits (rows_kernel: force either kernel), else one row (or a column
+    block of it) per program walking its splits."""
     batch, n_new, heads, num_splits, _ = out.shape
     few_rows = batch * n_new * heads < 2 * sm_count(o.device)
+    if rows_kernel is None:
+        rows_kernel = MERGE_ROWS and not few_rows and num_splits <= MERGE_ROWS_SPLITS
+    if rows_kernel:
+        S = max(2, triton.next_power_of_2(num_splits))
+        rows_per = max(1, MERGE_ROWS_ELEMS // S)
+        _mla_merge_rows_kernel[(batch, triton.cdiv(n_new * heads, rows_per))](
+            out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
+            heads, n_new * heads, chunk_min, num_splits, ROWS=rows_per, S=S, KV_LORA=KV_LORA, BLOCK_N=block_n,
+            num_warps=4,
+        )
+        return
     block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
     _mla_merge_kernel[(batch, n_new * heads, KV_LORA // block_d)](
         out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
