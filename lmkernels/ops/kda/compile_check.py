@@ -41,7 +41,7 @@ def state_gluon(bv=64, dtype="bf16", k=128, v=128):
     return compile_kernel(SG._kda_state_gluon, types, ce, 4, 1, source=GluonASTSource)
 
 
-def intra_gluon(bc=64, k=128):
+def intra_gluon(bc=32, k=128):
     """The intra kernel in Gluon (intra_gluon.py; no interpreter path), one warp a program."""
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -134,7 +134,8 @@ def _kda_intra_gluon(
         Gl = _col(G, r, BT - 1)  # Γ_C (padded rows add 0)
         e_row = _exp2(G - M[None, :])
         k_col = bk * _exp2(M[None, :] - G)
-        eG = e_row * _exp2(M)[None, :]  # e^Γ = e^(Γ−M)·e^M, e^(Γ_C−Γ) = e^(M−Γ)·e^(Γ_C−M): each factor within fp32
+        # e^Γ = e^(Γ−M)·e^M and e^(Γ_C−Γ) = e^(M−Γ)·e^(Γ_C−M): each factor within fp32
+        eG = e_row * _exp2(M)[None, :]
         ot = ro + d[None, :]
         gl.store(qg + o0 + ot, (bq * eG * rqs[:, None]).to(dt), mask=rm[:, None])
         gl.store(kg + o0 + ot, (k_col * _exp2(Gl - M)[None, :] * rk[:, None]).to(dt), mask=rm[:, None])

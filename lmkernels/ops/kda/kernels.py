@@ -437,8 +437,8 @@ def prefill_config(K, V, n_seqs, heads, tokens, max_len, long_seqs=1, gluon_stat
     the usual ~2048 beside the Gluon one (gluon_intra, intra_gluon.py; session j: T=8192 H=32 −9% against 1024).
     Beside the Gluon intra kernel, no overlap where the chains of the full_seqs sequences within 10% of the longest
     fill their waves of num_sms SMs to ≥ 90%: the state kernel then uses the whole GPU after the intra kernel, and
-    sharing the SMs costs more than it hides (session j, one sequence: 128 chains at H=64 −7% at 8k, −8% at 16k, −3%
-    at 32k without the overlap; 64 chains at H=32 +14%, 96 at H=48 +4%, 192 at H=96 +6% with it)."""
+    sharing the SMs costs more than it hides (session j, one sequence: 128 chains at H=64 −7% at 8k, −8% at 16k,
+    −3% at 32k without the overlap; 64 chains at H=32 +14%, 96 at H=48 +4%, 192 at H=96 +6% with it)."""
     ratio = tokens * heads / max(max_len, 1)
     segments = max(2, min(8, max_len // 2048)) if max_len >= 2048 else 1
     programs_bv = 1 << max(V * heads * long_seqs // 128, 1).bit_length() - 1  # BV for ~128 state programs
@@ -604,7 +604,8 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
     i64 = TUNE.get("i64", needs_int64_offsets(T, bt, H * max(K, V, bt), q, k, g, v, beta))
     gluon_state = (cfg.get("gluon_state", GLUON_STATE and BV >= GLUON_STATE_MIN_BV) and gluon_dev
                    and state_gluon.supported(q, bt, i64))
-    gluon_intra = cfg.get("gluon_intra", gluon_intra_dev) and gluon_dev and intra_gluon.supported(q, k, g, gate, safe, bt, i64)
+    gluon_intra = (cfg.get("gluon_intra", gluon_intra_dev) and gluon_dev
+                   and intra_gluon.supported(q, k, g, gate, safe, bt, i64))
     main = side = None
     if cfg["overlap"] and len(segs) > 1 and dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
@@ -612,9 +613,10 @@ def prefill(q, k, v, g, beta, cu, scale, A_log, dt_bias, lower_bound, l2, beta_s
         if b > a and gluon_intra:
             LAUNCHED["intra"] = intra_gluon._kda_intra_gluon[((b - a) * H,)](
                 q, k, g, beta, A_log, dt_bias if dt_bias is not None else q, w, tb, qg, kg, aqk, gl[a:], chunks[a:],
-                q.stride(1), k.stride(1), g.stride(1), beta.stride(0), beta.stride(1), float(scale), float(lower_bound),
-                S_QT=q.stride(0), S_KT=k.stride(0), S_GT=g.stride(0), H=H, K=K, BC=min(cfg.get("BC", GLUON_INTRA_BC), K),
-                HAS_BIAS=dt_bias is not None, BETA_SIG=bool(beta_sig), L2=bool(l2), num_warps=1)
+                q.stride(1), k.stride(1), g.stride(1), beta.stride(0), beta.stride(1), float(scale),
+                float(lower_bound), S_QT=q.stride(0), S_KT=k.stride(0), S_GT=g.stride(0), H=H, K=K,
+                BC=min(cfg.get("BC", GLUON_INTRA_BC), K), HAS_BIAS=dt_bias is not None, BETA_SIG=bool(beta_sig),
+                L2=bool(l2), num_warps=1)
         elif b > a:
             LAUNCHED["intra"] = _kda_intra[(b - a, H)](
                 q, k, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,

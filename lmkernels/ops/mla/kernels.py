@@ -453,8 +453,8 @@ MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
 # the separate merge with many rows and ≤ MERGE_ROWS_SPLITS splits: whole rows × all splits per program
 # (MERGE_ROWS_ELEMS row-splits a program). H100 (benchmarks/NOTES.md, issue 6, session j), merge alone, fp32
-# partials: 128 rows × 2 splits 10.7 → 8.1 µs, 32 rows × 4 splits 5.7 → 5.2; whole calls: 128 heads B=32 1k +7.6%,
-# 8k +1.3%; 8 splits (one row a program) 5.7 → 8.3 µs, so not there
+# partials: 128 rows × 2 splits 10.7 → 8.1 µs, 32 rows × 4 splits 5.7 → 5.2; whole calls: 128 heads B=32 1k
+# +7.6%, 8k +1.3%; 8 splits (one row a program) 5.7 → 8.3 µs, so not there
 MERGE_ROWS, MERGE_ROWS_SPLITS, MERGE_ROWS_ELEMS = True, 4, 8
 MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # programmatic dependent launch of the decode kernel where no merge kernel follows it (one split, or the fused
