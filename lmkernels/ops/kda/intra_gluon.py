@@ -9,6 +9,9 @@ are read back in tiles where one thread holds all 16 rows of a column, so the cu
 Outputs: those of the Triton kernel with ONEPASS (Qg, Kg, W = Tb (K ⊙ e^Γ), Tb = T diag(β), Aqk, e^Γ_C), with the
 same factorisation of the decays around the chunk's middle row (kernels.SAFE_MIN_LOWER_BOUND); on the GPU they
 agree with the Triton kernel's to 1e-4 (bf16 rounding; benchmarks/NOTES.md, issue 5, session j).
+Speed (H100, ncu, 8×1024 H=32): 218 µs against the Triton kernel's 259; 198 registers and 19 KB of shared memory a
+program allow 8 warps per SM, where it is latency-bound (more warps through fewer registers or unswizzled staging
+tiles measured slower, NOTES j-3 / j-8).
 Compiled kernels only: the interpreter cannot run Gluon (CPU tests run the Triton kernel; `lmkernels check` runs
 this one on the GPU)."""
 
