@@ -45,6 +45,16 @@ def _col(x, r, i: gl.constexpr):
 
 
 @gluon.jit
+def _stage(dst, row0, ROW_STRIDE: gl.constexpr, n):
+    """cp.async the chunk's rows (row0 + r · ROW_STRIDE, r < n; the rest read as 0) into dst [BT, K]."""
+    K: gl.constexpr = dst.shape[1]
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [1, 1], [1, 0])
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
+    d = gl.arange(0, K, layout=gl.SliceLayout(0, cp))
+    async_copy.async_copy_global_to_shared(dst, row0 + r[:, None] * ROW_STRIDE + d[None, :], mask=(r < n)[:, None])
+
+
+@gluon.jit
 def _kda_intra_gluon(
     q, k, g, beta, A_log, dt_bias, w, tb, qg, kg, aqk, gdec, chunks,
     s_qh, s_kh, s_gh, s_bt, s_bh,
@@ -83,16 +93,9 @@ def _kda_intra_gluon(
     # tiles are then read in the column layout, so no load latency sits inside the arithmetic
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     s_in = gl.allocate_shared_memory(dt, [3, BT, K], plain)
-    cp: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [1, 1], [1, 0])
-    rc = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
-    dc = gl.arange(0, K, layout=gl.SliceLayout(0, cp))
-    mc = (rc < n)[:, None]
-    async_copy.async_copy_global_to_shared(s_in.index(0), q + start * S_QT + hh * s_qh + rc[:, None] * S_QT
-                                           + dc[None, :], mask=mc)
-    async_copy.async_copy_global_to_shared(s_in.index(1), k + start * S_KT + hh * s_kh + rc[:, None] * S_KT
-                                           + dc[None, :], mask=mc)
-    async_copy.async_copy_global_to_shared(s_in.index(2), g + start * S_GT + hh * s_gh + rc[:, None] * S_GT
-                                           + dc[None, :], mask=mc)
+    _stage(s_in.index(0), q + start * S_QT + hh * s_qh, S_QT, n)
+    _stage(s_in.index(1), k + start * S_KT + hh * s_kh, S_KT, n)
+    _stage(s_in.index(2), g + start * S_GT + hh * s_gh, S_GT, n)
     async_copy.commit_group()
 
     r = gl.arange(0, BT, layout=rows_c)
@@ -158,12 +161,10 @@ def _kda_intra_gluon(
     ok_m = i < n
     tok_m = start + i
     bb = gl.load(beta + tok_m * s_bt + hh * s_bh, mask=ok_m, other=0.0).to(gl.float32)
-    bb_j = gl.load(beta + (start + j) * s_bt + hh * s_bh, mask=j < n, other=0.0).to(gl.float32)
     if BETA_SIG:
         bb = 1.0 / (1.0 + _exp2(bb * -LOG2E))
-        bb_j = 1.0 / (1.0 + _exp2(bb_j * -LOG2E))
     bb = gl.where(ok_m, bb, 0.0)
-    bb_j = gl.where(j < n, bb_j, 0.0)
+    bb_j = gl.convert_layout(bb, cols_m)
     rk_i = gl.convert_layout(rk, rows_m)
     rk_j = gl.convert_layout(rk, cols_m)
     rq_i = gl.convert_layout(rq, rows_m)
