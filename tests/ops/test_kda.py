@@ -92,7 +92,16 @@ def test_prefill_strong_decay_no_overflow(gate, lb, fs):
     assert rel(o, ro) < 1e-5
 
 
-def test_prefill_then_decode_equals_prefill():
+_torch_empty = torch.empty
+
+
+def nan_empty(*args, **kwargs):
+    """torch.empty whose floating-point tensors hold NaN (poisoned outputs)."""
+    t = _torch_empty(*args, **kwargs)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def test_prefill_then_decode_equals_prefill(monkeypatch):
     H, K, V = 2, 64, 64
     N, T0, T = 3, 37, 45
     q, k, v, f, b = inputs(N, T, H, K, V, torch.float32)
@@ -117,8 +126,9 @@ def test_prefill_then_decode_equals_prefill():
         live = [n for n in range(N) if pos[n] < T]
         batch_idx = torch.tensor([int(idx[n]) for n in live] + [-1])
         take = lambda x: torch.stack([x[n, pos[n]] for n in live] + [x[0, 0]])  # noqa: E731
-        o = torch.full((len(live) + 1, H, V), 7.0)
-        o = kda_decode(*(take(x) for x in (q, k, v, f, b)), pool, batch_idx, **kw)
+        with monkeypatch.context() as m:  # outputs start as NaN: the padding row's 0 must be written
+            m.setattr(torch, "empty", nan_empty)
+            o = kda_decode(*(take(x) for x in (q, k, v, f, b)), pool, batch_idx, **kw)
         assert (o[-1] == 0).all()
         for j, n in enumerate(live):
             outs[n].append(o[j])
