@@ -141,8 +141,10 @@ def test_prefill_then_decode_equals_prefill(monkeypatch):
     assert torch.isnan(pool[untouched]).all()
 
 
-@pytest.mark.parametrize("gate", ["softplus", "safe"])
-def test_decode_multi_token(gate):
+@pytest.mark.parametrize("gate,bv", [("softplus", 16), ("safe", 32), ("safe", 64)])
+def test_decode_multi_token(monkeypatch, gate, bv):
+    """Every V block width decode_config picks (16 / 32 / 64 columns, 1 / 2 / 4 warps)."""
+    monkeypatch.setitem(kernels.TUNE, "decode", dict(BV=bv, num_warps=bv // 16))
     H, K, V, N, Q = 2, 128, 128, 2, 3
     q, k, v, f, b = inputs(N, Q, H, K, V, torch.float16)
     kw = dict(gate_kwargs(gate, H, K), l2norm_qk=True, beta_sigmoid=True)
