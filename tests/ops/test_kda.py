@@ -143,18 +143,23 @@ def test_prefill_then_decode_equals_prefill(monkeypatch):
 
 @pytest.mark.parametrize("gate,bv", [("softplus", 16), ("safe", 32), ("safe", 64)])
 def test_decode_multi_token(monkeypatch, gate, bv):
-    """Every V block width decode_config picks (16 / 32 / 64 columns, 1 / 2 / 4 warps)."""
+    """Every V block width decode_config picks (16 / 32 / 64 columns, 1 / 2 / 4 warps); a padding slot in the
+    middle of the batch gets 0 for each of its tokens (outputs start as NaN) and leaves the pool alone."""
     monkeypatch.setitem(kernels.TUNE, "decode", dict(BV=bv, num_warps=bv // 16))
-    H, K, V, N, Q = 2, 128, 128, 2, 3
+    H, K, V, N, Q = 2, 128, 128, 3, 3
     q, k, v, f, b = inputs(N, Q, H, K, V, torch.float16)
     kw = dict(gate_kwargs(gate, H, K), l2norm_qk=True, beta_sigmoid=True)
     pool = torch.randn(3, H, K, V) * 0.1
-    idx = torch.tensor([2, 0])
-    h0 = pool[idx].clone()
-    o = kda_decode(q, k, v, f, b, pool, idx, **kw)
-    ro, rS = ref_run(q, k, v, f, b, kw, initial_state=h0.double())
-    assert o.shape == v.shape and rel(o, ro) < TOL[torch.float16]
-    assert rel(pool[idx], rS) < 1e-5
+    idx = torch.tensor([2, -1, 0])
+    live, slots = [0, 2], torch.tensor([2, 0])
+    before = pool.clone()
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        o = kda_decode(q, k, v, f, b, pool, idx, **kw)
+    ro, rS = ref_run(*(x[live] for x in (q, k, v, f, b)), kw, initial_state=before[slots].double())
+    assert o.shape == v.shape and rel(o[live], ro) < TOL[torch.float16]
+    assert (o[1] == 0).all()
+    assert rel(pool[slots], rS) < 1e-5 and torch.equal(pool[1], before[1])
 
 
 def test_bad_inputs():
