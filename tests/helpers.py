@@ -1,12 +1,23 @@
-"""Shared test helpers: the error measure and per-dtype tolerances (the same ones `lmkernels check` uses), and the
-sm_90 build of a Gluon kernel."""
+"""Shared test helpers: the error measure and per-dtype tolerances (the same ones `lmkernels check` uses), a
+NaN-poisoning torch.empty, and the sm_90 build of a Gluon kernel."""
 
 import json
 import os
 import subprocess
 import sys
 
+import torch
+
 from lmkernels.check import TOL, rel_err  # noqa: F401
+
+_torch_empty = torch.empty
+
+
+def nan_empty(*args, **kwargs):
+    """torch.empty whose floating-point tensors hold NaN: patched in (monkeypatch) so that outputs an op allocates
+    start poisoned and every element it should write is checked."""
+    t = _torch_empty(*args, **kwargs)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
 
 
 def compile_in_fresh_process(expr: str):

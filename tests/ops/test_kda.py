@@ -6,7 +6,7 @@ import triton
 
 from lmkernels.ops.kda import intra_gluon, kda_decode, kda_prefill, kernels, state_gluon
 from lmkernels.ops.kda import reference as R
-from tests.helpers import compile_in_fresh_process
+from tests.helpers import compile_in_fresh_process, nan_empty
 
 
 def rel(a, b):
@@ -90,15 +90,6 @@ def test_prefill_strong_decay_no_overflow(gate, lb, fs):
     ro, rS = ref_run(q, k, v, f, b, kw)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert rel(o, ro) < 1e-5
-
-
-_torch_empty = torch.empty
-
-
-def nan_empty(*args, **kwargs):
-    """torch.empty whose floating-point tensors hold NaN (poisoned outputs)."""
-    t = _torch_empty(*args, **kwargs)
-    return t.fill_(float("nan")) if t.is_floating_point() else t
 
 
 def test_prefill_then_decode_equals_prefill(monkeypatch):

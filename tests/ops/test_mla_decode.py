@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmkernels.ops.mla import kernels, kernels_ws, mla_decode, reference
-from tests.helpers import compile_in_fresh_process
+from tests.helpers import compile_in_fresh_process, nan_empty
 
 SCALE = 192 ** -0.5
 
@@ -201,13 +201,7 @@ def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
     partials start as NaN (torch.empty poisoned), cache rows past each sequence's end are NaN; ragged lengths
     leave some sequences with fewer non-empty splits than launched (and one with none: o = 0, lse = −inf); two
     calls in a row."""
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):
-        t = real_empty(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    monkeypatch.setattr(torch, "empty", nan_empty)
     q_nope, q_pe, cache, _, tables, seq_lens = _setup([130, 7, 0, 64, 33], heads=16, n_new=2, page=16)
     for b, n in enumerate(seq_lens.tolist()):
         for j in range(n, tables.shape[1] * 16):
