@@ -146,57 +146,81 @@ def _page_row(bt_row, n0, full, page_size):
 
 
 @triton.jit
-def _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos, page_size, stride_cp,
-              stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+def _latent_cols(rows, valid, srow, cols, dtype, FP8: tl.constexpr):
+    """c_kv columns `cols` of the tile's rows (masked rows 0), dequantised to `dtype` for an FP8 cache."""
+    if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
+        sc = tl.load(srow[:, None] + (cols // 128)[None, :], mask=valid[:, None], other=0.0)
+        kc = tl.load(rows[:, None] + cols[None, :], mask=valid[:, None]).to(tl.float32)
+        return tl.where(valid[:, None], kc * sc, 0.0).to(dtype)
+    return tl.load(rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos,
+              page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
               FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, HALVES: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax. qa, qb: q_lat [BLOCK_M, 512] and q_pe [BLOCK_M, 64], or
     their transposes with KEYS_MAJOR. TMA: a full tile (n0 + BLOCK_N ≤ end) inside one page, loaded through the
     descriptors over the cache viewed as [pages · page_size, 576] from its row row0 (the caller loads it one tile
     ahead, so that the descriptor loads depend on no load of their own iteration): no masks, no per-row addresses.
     KEYS_MAJOR: scores as sᵀ = c_kv · q_latᵀ + k_pe · q_peᵀ [BLOCK_N, BLOCK_M], so the c_kv tile is a dot
     operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): with mma.sync tiles the other
-    order copies the 512-wide tile transposed through registers. m_i, l_i are per row of the output."""
+    order copies the 512-wide tile transposed through registers. m_i, l_i are per row of the output.
+    HALVES: c_kv comes as two 256-column tiles (qa / qa_hi, acc / acc_hi the matching halves of q_lat and of the
+    output): each half's score dot is its own chain of 16 dependent mma.sync steps, which can run interleaved,
+    where one 576-deep dot is a single chain of 36 (per 16 × 8 output tile of a warp)."""
+    W: tl.constexpr = KV_LORA // (2 if HALVES else 1)
     kn = n0 + offs_n
     valid = kn < end
     if TMA:
         kc = c_desc.load([row0, 0])
+        if HALVES:
+            kc_hi = c_desc.load([row0, W])
         kp = p_desc.load([row0, KV_LORA])
     else:
         page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
         rows = c_ptr + page * stride_cp + slot * stride_cr
-        if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
-            srow = s_ptr + page * stride_sp + slot * stride_sr
-            sc = tl.load(srow[:, None] + (offs_c // 128)[None, :], mask=valid[:, None], other=0.0)
+        srow = s_ptr + page * stride_sp + slot * stride_sr if FP8 else rows  # scale rows (FP8 only)
+        kc = _latent_cols(rows, valid, srow, offs_c, qa.dtype, FP8)
+        if HALVES:
+            kc_hi = _latent_cols(rows, valid, srow, W + offs_c, qa.dtype, FP8)
+        if FP8:
             spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
-            kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None]).to(tl.float32)
-            kc = tl.where(valid[:, None], kc * sc, 0.0).to(qa.dtype)
             kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
             kp = tl.where(valid[:, None], kp * spe[:, None], 0.0).to(qa.dtype)
         else:
-            kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
             kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None], other=0.0)
     if KEYS_MAJOR:
-        st = tl.dot(kc, qa)
-        st = tl.dot(kp, qb, st) * qk_scale  # [BLOCK_N, BLOCK_M]
+        if HALVES:  # two accumulators (scaled before the sum: triton would fold dot + dot into one chain)
+            st = tl.dot(kc, qa) * qk_scale + tl.dot(kc_hi, qa_hi, tl.dot(kp, qb)) * qk_scale  # [BLOCK_N, BLOCK_M]
+        else:
+            st = tl.dot(kc, qa)
+            st = tl.dot(kp, qb, st) * qk_scale
         st = tl.where(valid[:, None] & (kn[:, None] <= pos[None, :]), st, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         pt = tl.exp2(st - m_use[None, :])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(pt, 0)
-        acc = tl.dot(tl.trans(pt.to(kc.dtype)), kc, acc * alpha[:, None])
+        p = tl.trans(pt.to(kc.dtype))
     else:
-        s = tl.dot(qa, tl.trans(kc))
-        s = tl.dot(qb, tl.trans(kp), s) * qk_scale
+        if HALVES:
+            s = tl.dot(qa, tl.trans(kc)) * qk_scale + tl.dot(qa_hi, tl.trans(kc_hi), tl.dot(qb, tl.trans(kp))) * qk_scale
+        else:
+            s = tl.dot(qa, tl.trans(kc))
+            s = tl.dot(qb, tl.trans(kp), s) * qk_scale
         s = tl.where(valid[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
-    return acc, l_i, m_new
+        p = p.to(kc.dtype)
+    acc = tl.dot(p, kc, acc * alpha[:, None])
+    if HALVES:
+        acc_hi = tl.dot(p, kc_hi, acc_hi * alpha[:, None])
+    return acc, acc_hi, l_i, m_new
 
 
 @triton.jit
@@ -209,7 +233,7 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
 ):
     """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the partials [.., split, ..].
     n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache.
@@ -241,8 +265,13 @@ def _mla_decode_kernel(
                          tl.zeros([BLOCK_M, KV_LORA], fo_ptr.dtype.element_ty), mask=row_ok[:, None])
                 tl.store(flse_ptr + final, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
-    q_lat = tl.load(qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
-                    + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    W: tl.constexpr = KV_LORA // (2 if HALVES else 1)  # columns of one c_kv tile (_mla_tile)
+    offs_w = tl.arange(0, W)
+    qn_rows = qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
+    q_lat = tl.load(qn_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0)
+    q_hi = q_lat
+    if HALVES:
+        q_hi = tl.load(qn_rows + W + offs_w[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(qp_ptr + b64 * stride_qpb + tok[:, None] * stride_qpt + head[:, None] * stride_qph
                    + offs_p[None, :], mask=row_ok[:, None], other=0.0)
     pos = seq_len - n_new + tok  # causal among the new tokens
@@ -250,13 +279,14 @@ def _mla_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, KV_LORA], tl.float32)
+    acc = tl.zeros([BLOCK_M, W], tl.float32)
+    acc_hi = acc
     if KEYS_MAJOR:
-        qa, qb = tl.trans(q_lat), tl.trans(q_pe)
+        qa, qa_hi, qb = tl.trans(q_lat), tl.trans(q_hi), tl.trans(q_pe)
     else:
-        qa, qb = q_lat, q_pe
+        qa, qa_hi, qb = q_lat, q_hi, q_pe
     if TMA:  # full tiles through the descriptors, then the partial last tile (if any) with masked pointer loads
-        c_desc = tl.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, KV_LORA])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, W])
         p_desc = tl.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, ROPE])
         full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         row0 = _page_row(bt_row, start, full, page_size)
@@ -264,41 +294,42 @@ def _mla_decode_kernel(
             n0 = start
             while n0 < full:
                 row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
-                acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
+                acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
                                           pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                          offs_c, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True)
+                                          offs_w, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
                 row0 = row_next
                 n0 += BLOCK_N
         else:
             for n0 in range(start, full, BLOCK_N):
                 row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
-                acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
+                acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
                                           pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                          offs_c, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True)
+                                          offs_w, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
                 row0 = row_next
         if full < end:
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, 0, full, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, 0, full, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
     elif INTERPRET:
         n0 = start
         while n0 < end:
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            acc, l_i, m_i = _mla_tile(acc, l_i, m_i, qa, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False)
+            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
+                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
+                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (o_ptr + b64 * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
-              + offs_c[None, :])
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+              + offs_w[None, :])
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if HALVES:
+        tl.store(o_ptrs + W, (acc_hi / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if STORE_LSE:
         tl.store(lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
     if FUSED_MERGE:
