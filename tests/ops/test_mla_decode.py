@@ -59,7 +59,7 @@ def test_decode_many_splits(monkeypatch, sms):
     """More splits than one merge step reads, with the merge in whole rows (many rows per SM) and in
     column blocks (few rows: sms=64)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
-    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False, max_context=0, batch=1: dict(
+    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
     n_splits = kernels.MERGE_CHUNK_S + 5
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
@@ -78,10 +78,12 @@ def test_decode_rows_not_multiple_of_block():
     _check(*_setup([100, 33], heads=12, n_new=2, page=16), max_seqlen_k=40)
 
 
-def test_decode_fp8():
-    """FP8 cache: exact against the reference on the dequantised cache; against the unquantised rows within
-    the stated tolerance (5e-2 relative: e4m3 keeps 3 mantissa bits)."""
-    q_nope, q_pe, cache, scales, tables, seq_lens = _setup([90, 37, 64], heads=16, n_new=1, page=16, fp8=True)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_fp8(heads):
+    """FP8 cache (16 rows: whole 512-column tiles, 64 rows: halves): exact against the reference on the
+    dequantised cache; against the unquantised rows within the stated tolerance (5e-2 relative: e4m3 keeps 3
+    mantissa bits)."""
+    q_nope, q_pe, cache, scales, tables, seq_lens = _setup([90, 37, 64], heads=heads, n_new=1, page=16, fp8=True)
     o, _ = _check(q_nope, q_pe, cache, scales, tables, seq_lens, num_splits=2)
     exact = reference.dequantize_rows(cache, scales)  # the rows before quantisation are close to these
     raw_o, _ = reference.mla_decode(q_nope, q_pe, exact.half(), tables, seq_lens, SCALE)
@@ -141,15 +143,16 @@ def test_decode_bad_inputs():
         mla_decode(q_nope.float(), q_pe.float(), cache.float(), tables, seq_lens, scale=SCALE)
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("page_tile", [False, True])
 @pytest.mark.parametrize("keys_major", [False, True])
-def test_decode_both_score_orders(keys_major, page_tile):
+def test_decode_both_score_orders(keys_major, page_tile, halves):
     """Both tile formulations (scores row-major or keys-major) at 16 and 64 rows, with splits; tiles gathered
-    key by key or (page 64, PAGE_TILE) from one page per tile."""
+    key by key or (page 64, PAGE_TILE) from one page per tile; c_kv as one 512-column tile or two halves."""
     for heads in (16, 64):
         q_nope, q_pe, cache, _, tables, seq_lens = _setup([70, 33], heads=heads, n_new=1, page=64 if page_tile else 16)
         cfg = dict(BLOCK_M=16 if heads == 16 else 64, BLOCK_N=32, num_warps=4, num_stages=1, KEYS_MAJOR=keys_major,
-                   PAGE_TILE=page_tile)
+                   PAGE_TILE=page_tile, HALVES=halves)
         o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, 2, 80, config=cfg)
         want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
         assert (o.double() - want).norm() / want.norm() < 2e-3
@@ -157,8 +160,8 @@ def test_decode_both_score_orders(keys_major, page_tile):
 
 
 @pytest.mark.parametrize("page", [16, 64, 128])
-@pytest.mark.parametrize("keys_major", [False, True])
-def test_decode_tma(keys_major, page):
+@pytest.mark.parametrize("keys_major,halves", [(False, False), (True, True)])
+def test_decode_tma(keys_major, halves, page):
     """TMA tiles (descriptors over the cache as [pages · page_size, 576]) where the page size is a multiple of
     BLOCK_N (64, 128: full tiles through the descriptors, the partial last tile of each split through masked
     pointers), pointer tiles otherwise (16); the stale rows past each sequence's end are NaN, so a tail tile
@@ -168,7 +171,7 @@ def test_decode_tma(keys_major, page):
         for j in range(n, tables.shape[1] * page):
             cache[tables[b, j // page], j % page] = float("nan")
     for splits in (1, 3):
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=keys_major, TMA=True)
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=keys_major, TMA=True, HALVES=halves)
         o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 200, config=cfg)
         want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
         fin = torch.isfinite(want_lse)
@@ -231,13 +234,11 @@ def test_warp_specialised_kernel_compiles_for_hopper():
 
 
 def test_warp_specialised_kernel_chosen_for_hopper_only():
-    """32 rows and more, and 16 rows from a context bound, of a 16-bit cache in whole-tile pages take the Gluon
-    kernel on an sm_90 GPU; everything else (CPU, the interpreter, FP8, page sizes that split a 64-key tile) the
-    Triton kernel with its own tiles."""
+    """32 rows and more of a 16-bit cache in whole-tile pages take the Gluon kernel on an sm_90 GPU; everything
+    else (16 rows, CPU, the interpreter, FP8, page sizes that split a 64-key tile) the Triton kernel with its own
+    tiles."""
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
-    assert not kernels.decode_config(16, max_context=4096, batch=32)["WS"]
-    assert kernels.decode_config(16, max_context=8192, batch=32)["WS"]
-    assert not kernels.decode_config(16, max_context=8192)["WS"]
+    assert not kernels.decode_config(16).get("WS") and not kernels.decode_config(128, fp8=True).get("WS")
     q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
     assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), 64)
     assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), {})

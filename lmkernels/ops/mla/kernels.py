@@ -20,11 +20,10 @@ dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks 
 context) of the length read on the device, so the launch depends only on shapes (CUDA graphs capture it; no host
 sync). Where no merge kernel follows (one split, or the in-kernel merge) the decode kernel is launched with
 programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
-dtype in registers before the dots.
-On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (and 16 rows of long contexts in batches:
-decode_config) run the warp-specialised Gluon kernel of kernels_ws.py instead (a TMA loader warp and two
-consumer warpgroups, 64-row blocks); this kernel remains the path everywhere else and the one the CPU tests run
-(the interpreter cannot run Gluon).
+dtype in registers before the dots, the scales loaded once per key and 128-value group.
+On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
+kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups, 64-row blocks); this kernel
+remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
 """
 
 import torch
@@ -146,18 +145,25 @@ def _page_row(bt_row, n0, full, page_size):
 
 
 @triton.jit
-def _latent_cols(rows, valid, srow, cols, dtype, FP8: tl.constexpr):
-    """c_kv columns `cols` of the tile's rows (masked rows 0), dequantised to `dtype` for an FP8 cache."""
+def _latent_cols(rows, valid, srow, col0: tl.constexpr, W: tl.constexpr, dtype, FP8: tl.constexpr):
+    """c_kv columns [col0, col0 + W) of the tile's rows (masked rows 0), dequantised to `dtype` for an FP8 cache:
+    the [keys, W / 128] scales are loaded once and broadcast over their 128-value groups by a reshape (a scale
+    load per value costs ~7x the bf16 tile time)."""
+    cols = col0 + tl.arange(0, W)
     if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
-        sc = tl.load(srow[:, None] + (cols // 128)[None, :], mask=valid[:, None], other=0.0)
+        G: tl.constexpr = W // 128
+        sc = tl.load(srow[:, None] + (col0 // 128 + tl.arange(0, G))[None, :], mask=valid[:, None], other=0.0)
         kc = tl.load(rows[:, None] + cols[None, :], mask=valid[:, None]).to(tl.float32)
-        return tl.where(valid[:, None], kc * sc, 0.0).to(dtype)
-    return tl.load(rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+        kc = tl.reshape(tl.reshape(kc, [kc.shape[0], G, 128]) * sc[:, :, None], [kc.shape[0], W])
+        kc = tl.where(valid[:, None], kc, 0.0).to(dtype)
+    else:
+        kc = tl.load(rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+    return kc
 
 
 @triton.jit
 def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos,
-              page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_c, offs_p,
+              page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p,
               FP8: tl.constexpr, KV_LORA: tl.constexpr, PAGE_TILE: tl.constexpr, KEYS_MAJOR: tl.constexpr,
               TMA: tl.constexpr, HALVES: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax. qa, qb: q_lat [BLOCK_M, 512] and q_pe [BLOCK_M, 64], or
@@ -170,7 +176,7 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
     HALVES: c_kv comes as two 256-column tiles (qa / qa_hi, acc / acc_hi the matching halves of q_lat and of the
     output): each half's score dot is its own chain of 16 dependent mma.sync steps, which can run interleaved,
     where one 576-deep dot is a single chain of 36 (per 16 × 8 output tile of a warp)."""
-    W: tl.constexpr = KV_LORA // (2 if HALVES else 1)
+    W: tl.constexpr = KV_LORA // (1 + HALVES)
     kn = n0 + offs_n
     valid = kn < end
     if TMA:
@@ -182,9 +188,9 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
         page, slot = _tile_slots(bt_row, kn, n0, valid, page_size, PAGE_TILE)
         rows = c_ptr + page * stride_cp + slot * stride_cr
         srow = s_ptr + page * stride_sp + slot * stride_sr if FP8 else rows  # scale rows (FP8 only)
-        kc = _latent_cols(rows, valid, srow, offs_c, qa.dtype, FP8)
+        kc = _latent_cols(rows, valid, srow, 0, W, qa.dtype, FP8)
         if HALVES:
-            kc_hi = _latent_cols(rows, valid, srow, W + offs_c, qa.dtype, FP8)
+            kc_hi = _latent_cols(rows, valid, srow, W, W, qa.dtype, FP8)
         if FP8:
             spe = tl.load(srow + KV_LORA // 128, mask=valid, other=0.0)
             kp = tl.load(rows[:, None] + KV_LORA + offs_p[None, :], mask=valid[:, None]).to(tl.float32)
@@ -206,7 +212,8 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
         p = tl.trans(pt.to(kc.dtype))
     else:
         if HALVES:
-            s = tl.dot(qa, tl.trans(kc)) * qk_scale + tl.dot(qa_hi, tl.trans(kc_hi), tl.dot(qb, tl.trans(kp))) * qk_scale
+            s = (tl.dot(qa, tl.trans(kc)) * qk_scale
+                 + tl.dot(qa_hi, tl.trans(kc_hi), tl.dot(qb, tl.trans(kp))) * qk_scale)
         else:
             s = tl.dot(qa, tl.trans(kc))
             s = tl.dot(qb, tl.trans(kp), s) * qk_scale
@@ -265,7 +272,7 @@ def _mla_decode_kernel(
                          tl.zeros([BLOCK_M, KV_LORA], fo_ptr.dtype.element_ty), mask=row_ok[:, None])
                 tl.store(flse_ptr + final, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
-    W: tl.constexpr = KV_LORA // (2 if HALVES else 1)  # columns of one c_kv tile (_mla_tile)
+    W: tl.constexpr = KV_LORA // (1 + HALVES)  # columns of one c_kv tile (_mla_tile)
     offs_w = tl.arange(0, W)
     qn_rows = qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
     q_lat = tl.load(qn_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0)
@@ -294,34 +301,39 @@ def _mla_decode_kernel(
             n0 = start
             while n0 < full:
                 row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
-                acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
-                                          pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                          offs_w, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
+                acc, acc_hi, l_i, m_i = _mla_tile(
+                    acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos,
+                    page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p, FP8,
+                    KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
                 row0 = row_next
                 n0 += BLOCK_N
         else:
             for n0 in range(start, full, BLOCK_N):
                 row_next = _page_row(bt_row, n0 + BLOCK_N, full, page_size)
-                acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end,
-                                          pos, page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n,
-                                          offs_w, offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
+                acc, acc_hi, l_i, m_i = _mla_tile(
+                    acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, row0, n0, end, pos,
+                    page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p, FP8,
+                    KV_LORA, PAGE_TILE, KEYS_MAJOR, True, HALVES)
                 row0 = row_next
         if full < end:
-            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, 0, full, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
+            acc, acc_hi, l_i, m_i = _mla_tile(
+                acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc, p_desc, 0, full, end, pos,
+                page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p, FP8, KV_LORA,
+                PAGE_TILE, KEYS_MAJOR, False, HALVES)
     elif INTERPRET:
         n0 = start
         while n0 < end:
-            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
+            acc, acc_hi, l_i, m_i = _mla_tile(
+                acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
+                stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p, FP8, KV_LORA, PAGE_TILE,
+                KEYS_MAJOR, False, HALVES)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            acc, acc_hi, l_i, m_i = _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos,
-                                      page_size, stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_w,
-                                      offs_p, FP8, KV_LORA, PAGE_TILE, KEYS_MAJOR, False, HALVES)
+            acc, acc_hi, l_i, m_i = _mla_tile(
+                acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_ptr, c_ptr, 0, n0, end, pos, page_size,
+                stride_cp, stride_cr, stride_sp, stride_sr, qk_scale, offs_n, offs_p, FP8, KV_LORA, PAGE_TILE,
+                KEYS_MAJOR, False, HALVES)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
@@ -492,48 +504,45 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
 # 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
 PDL = True
-# the Gluon kernel for 16 rows (16 heads, one token) from these bounds on (H100, session i: 32k +4%, B=128 8k +3%,
-# B=32 8k ±0, 1k −3 to −13%, B=1 8k / 32k −6%: the batch bound lies between the measured 1 and 32); 32 rows (MTP)
-# take it always (+5–12%)
-WS_MIN_CONTEXT_16_ROWS, WS_MIN_BATCH_16_ROWS = 8192, 16
 
 
-def decode_config(rows: int, fp8: bool = False, max_context: int = 0, batch: int = 1):
+def decode_config(rows: int, fp8: bool = False):
     """Launch parameters: BLOCK_M rows (heads × new tokens, ≥ 16 for tl.dot, ≤ 64: the fp32 accumulator is
     BLOCK_M × 512), BLOCK_N keys per tile (one tile = BLOCK_N × 1152 bytes of bf16), warps, stages, whether
     scores are computed keys-major (KEYS_MAJOR: the c_kv tile feeds both dots in its stored layout; with
-    mma.sync tiles the other order copies the 512-wide tile transposed through registers), TMA tile loads
-    (where the page size is a multiple of BLOCK_N and the cache 16-bit; pointer tiles otherwise), and the
-    programs that fit on one SM (registers, shared memory: the split heuristic fills whole waves of them).
+    mma.sync tiles the other order copies the 512-wide tile transposed through registers), c_kv as two 256-column
+    tiles (HALVES: two independent score chains, two output accumulators), TMA tile loads (where the page size is
+    a multiple of BLOCK_N and the cache 16-bit; pointer tiles otherwise), and the programs that fit on one SM
+    (registers, shared memory: the split heuristic fills whole waves of them).
     The page-table load takes a pipeline stage, so with pointer tiles 5 stages give the c_kv tile two buffers
     at 16 rows (2 stages at 64 rows with PAGE_TILE); TMA tiles get num_stages − 1 buffers.
-    Chosen by the A/Bs in the H100 runs of 2026-11-23 (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
-    16 rows (16 heads, one token): 16×32 keys-major, 4 warps, 5 stages, pointer tiles (TMA: −1 to −5%),
-    255 registers: 2 programs fit per SM, but splits are sized for 1 (half the splits: B=32 8k 8 → 4, merged
-    inside the kernel; B=128 1k 2 → 1, no merge): +1.7% / +7.7% in the session-e A/B, B=32 1k unchanged;
-    32 rows (16 heads × 2 MTP tokens): 32×32 keys-major, 4 warps, 3 stages, TMA, 2 per SM;
+    Chosen by the H100 A/Bs (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
+    16 rows (16 heads, one token): 16×32 rows-major halves, 4 warps, 5 stages, pointer tiles (session l: +2–4%
+    over keys-major whole tiles, +10% at B=1 8k; the Gluon kernel, padded to 64 rows, is within ±1% at 32k and
+    3% slower at B=32 8k, so 16 rows no longer take it), 197 registers: 2 programs fit per SM, but splits are
+    sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge);
+    32 rows (16 heads × 2 MTP tokens): 32×32 keys-major halves, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
-    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM).
+    rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM; halves −1–4%).
     WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
-    kernels_ws.py instead, for 64 rows and more (+37–51% at 8k–32k, +18–25% at 1k), 32 rows (+5–12%) and 16 rows
-    from WS_MIN_CONTEXT_16_ROWS (session i): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs
-    WS_BLOCK_N / WS_STAGES), fp32 partials through the merge kernel (16-bit ones, and merging in the kernel, were
-    slower).
-    FP8 caches (not benchmarked): fewer stages, since the dequantised tile is staged in shared memory again
-    (168–190 KB: 1 per SM)."""
+    kernels_ws.py instead, for 32 rows and more (64 rows: +37–51% at 8k–32k, +18–25% at 1k; 32 rows +5–12%):
+    64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs WS_BLOCK_N / WS_STAGES), fp32 partials
+    through the merge kernel (16-bit ones, and merging in the kernel, were slower).
+    FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB: 1 per SM);
+    halves at 64 rows (+5%, fewer spills), not at 16 (−12%) (session l)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
-            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, PROGRAMS_PER_SM=1)
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
+                        PROGRAMS_PER_SM=1)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
     if block_m >= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
                     WS=True)
     if block_m == 32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, TMA=True, PROGRAMS_PER_SM=2,
-                    WS=True)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=True, PROGRAMS_PER_SM=1,
-                WS=max_context >= WS_MIN_CONTEXT_16_ROWS and batch >= WS_MIN_BATCH_16_ROWS)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
+                    PROGRAMS_PER_SM=2, WS=True)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
 
 
 def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
@@ -541,7 +550,7 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
     one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs)."""
     batch, n_new, heads, _ = q_nope.shape
-    cfg = dict(config or decode_config(n_new * heads, fp8, max_context, batch))
+    cfg = dict(config or decode_config(n_new * heads, fp8))
     ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
     ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
     if ws:  # the Gluon kernel's key tile also decides the split boundaries (and the merge's view of them)
