@@ -323,7 +323,8 @@ def decode_case(batch, ctx, heads, n_new):
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, {cfg['WS_STAGES']} stages"
     else:
         tiles = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
-                 + ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" TMA" if cfg.get("TMA") else ""))
+                 + ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" halves" if cfg.get("HALVES") else "")
+                 + (" TMA" if cfg.get("TMA") else ""))
     failure = ours.get("wrong") or ours.get("missing")
     row = {**base, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers}
     key = "tflops" if compute else "gbps"

@@ -528,14 +528,17 @@ def decode_config(rows: int, fp8: bool = False):
     kernels_ws.py instead, for 32 rows and more (64 rows: +37–51% at 8k–32k, +18–25% at 1k; 32 rows +5–12%):
     64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs WS_BLOCK_N / WS_STAGES), fp32 partials
     through the merge kernel (16-bit ones, and merging in the kernel, were slower).
-    FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB: 1 per SM);
-    halves at 64 rows (+5%, fewer spills), not at 16 (−12%) (session l)."""
+    FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
+    splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
+    (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
+    per-value dequantisation (e4m3 → fp32 · scale → 16 bit, staged through shared memory again) sets the pace."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
                         PROGRAMS_PER_SM=1)
-        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True, PROGRAMS_PER_SM=1)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True,
+                    PROGRAMS_PER_SM=2 if block_m == 16 else 1)
     if block_m >= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
                     WS=True)
