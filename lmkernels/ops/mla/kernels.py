@@ -9,7 +9,8 @@ Decode: multi-query attention with one KV head, key dim 576 = 512 + 64, value di
 BLOCK_M rows (row r = new token r // H, head r % H: all heads of a sequence and its new tokens, the M
 dimension of every dot) of one sequence and one split of its key range. Per BLOCK_N-key tile it gathers
 the rows through the block table once, as two tiles: c_kv [BLOCK_N, 512] and k_pe [BLOCK_N, 64];
-scores = q_lat · c_kvᵀ + q_pe · k_peᵀ (two dots), then o += p · c_kv (the same c_kv tile is the value).
+scores = q_lat · c_kvᵀ + q_pe · k_peᵀ (two dots), then o += p · c_kv (the same c_kv tile is the value); with
+config HALVES c_kv comes as two [BLOCK_N, 256] tiles, each with its own score dot and output accumulator.
 Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the cache is 16-bit, full tiles can
 come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
 tile of a split through masked pointer loads.
@@ -148,7 +149,7 @@ def _page_row(bt_row, n0, full, page_size):
 def _latent_cols(rows, valid, srow, col0: tl.constexpr, W: tl.constexpr, dtype, FP8: tl.constexpr):
     """c_kv columns [col0, col0 + W) of the tile's rows (masked rows 0), dequantised to `dtype` for an FP8 cache:
     the [keys, W / 128] scales are loaded once and broadcast over their 128-value groups by a reshape (a scale
-    load per value costs ~7x the bf16 tile time)."""
+    load per value made the FP8 decode 3–5x slower: NOTES, issue 6, session l)."""
     cols = col0 + tl.arange(0, W)
     if FP8:  # fp8 loads take no `other` (interpreter): zero the masked lanes after the cast
         G: tl.constexpr = W // 128
@@ -174,8 +175,9 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
     operand in its stored (row-major) layout in both dots (A here, B in p · c_kv): with mma.sync tiles the other
     order copies the 512-wide tile transposed through registers. m_i, l_i are per row of the output.
     HALVES: c_kv comes as two 256-column tiles (qa / qa_hi, acc / acc_hi the matching halves of q_lat and of the
-    output): each half's score dot is its own chain of 16 dependent mma.sync steps, which can run interleaved,
-    where one 576-deep dot is a single chain of 36 (per 16 × 8 output tile of a warp)."""
+    output): each half's score dot is its own chain of dependent mma.sync steps, which ptxas interleaves, where
+    the whole 576-deep dot ran as one chain (36 steps per 16 × 8 output tile, the tiles of a warp one after the
+    other at 255 registers); at 16 rows it also frees ~60 registers. H100: +2–4% at 16 rows (NOTES, session l)."""
     W: tl.constexpr = KV_LORA // (1 + HALVES)
     kn = n0 + offs_n
     valid = kn < end
