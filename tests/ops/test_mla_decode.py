@@ -224,12 +224,13 @@ def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_warp_specialised_kernel_compiles_for_hopper():
     """The Gluon kernel has no interpreter path (the GPU check, `lmkernels check`, runs it against the reference):
-    here it must at least build for sm_90 with its design intact: two warpgroups × (36 QK + 4 PV) wgmma
-    instructions, TMA tile loads, within the shared memory of one SM. In a fresh process: the interpreter tests
-    patch triton.language in this one, and Gluon compiles through it."""
+    here it must at least build for sm_90 with its seesaw intact: two warpgroups × (36 wgmma for one tile's
+    scores + 2 × 4 for P · V, its own tile's P and the other's), one TMA message per 64-column piece and stage,
+    within the shared memory of one SM. In a fresh process: the interpreter tests patch triton.language in this
+    one, and Gluon compiles through it."""
     C = "lmkernels.ops.mla.compile_check"
     for r in compile_in_fresh_process(f"[{C}.ws(True, 'bf16'), {C}.ws(False, 'fp16')]"):
-        assert r["wgmma"] == 2 * (576 // 16 + 64 // 16) and r["tma"] > 0 and r["mma"] == 0, r
+        assert r["wgmma"] == 2 * (576 // 16 + 2 * 64 // 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] < 256, r
 
 
@@ -240,7 +241,7 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
     assert not kernels.decode_config(16).get("WS") and not kernels.decode_config(128, fp8=True).get("WS")
     q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
-    assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), 64)
-    assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), {})
+    assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
+    assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
     cfg, ws, m_blocks, _ = kernels.decode_plan(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), False, 8192)
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2

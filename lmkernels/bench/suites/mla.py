@@ -320,7 +320,7 @@ def decode_case(batch, ctx, heads, n_new):
     del dense, vd
     cfg, ws, m_blocks, splits = kernels.decode_plan(q_nope, cache, False, ctx)
     if ws:
-        tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, {cfg['WS_STAGES']} stages"
+        tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:
         tiles = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
                  + ("keys-major" if cfg.get("KEYS_MAJOR") else "rows-major") + (" halves" if cfg.get("HALVES") else "")

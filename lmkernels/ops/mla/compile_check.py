@@ -24,7 +24,7 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
 
-def ws(split=True, dtype="bf16", block_n=None, stages=None):
+def ws(split=True, dtype="bf16"):
     """The warp-specialised Gluon kernel (kernels_ws.py); split: fp32 partials, as mla_decode gives it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -32,8 +32,7 @@ def ws(split=True, dtype="bf16", block_n=None, stages=None):
 
     types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*fp32" if split else "*" + dtype, lse_ptr="*fp32", qk_scale="fp32")
-    ce = dict(SPLIT=split, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=block_n or W.BLOCK_N,
-              STAGES=stages or W.STAGES, CONSUMER_REGS=W.CONSUMER_REGS)
+    ce = dict(SPLIT=split, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, CONSUMER_REGS=W.CONSUMER_REGS)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 

@@ -23,8 +23,8 @@ sync). Where no merge kernel follows (one split, or the in-kernel merge) the dec
 programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
 dtype in registers before the dots, the scales loaded once per key and 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
-kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups, 64-row blocks); this kernel
-remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
+kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
+kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
 """
 
 import torch
@@ -527,9 +527,10 @@ def decode_config(rows: int, fp8: bool = False):
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
     rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM; halves −1–4%).
     WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
-    kernels_ws.py instead, for 32 rows and more (64 rows: +37–51% at 8k–32k, +18–25% at 1k; 32 rows +5–12%):
-    64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45%; tuning knobs WS_BLOCK_N / WS_STAGES), fp32 partials
-    through the merge kernel (16-bit ones, and merging in the kernel, were slower).
+    kernels_ws.py instead, for 32 rows and more (its first version, with every score computed twice: 64 rows
+    +37–51% at 8k–32k, +18–25% at 1k, 32 rows +5–12%; its seesaw schedule, session m: 128 heads +21–28% at 8k–32k,
+    +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i), fp32
+    partials through the merge kernel (16-bit ones, and merging in the kernel, were slower).
     FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
     splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
     (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
@@ -556,13 +557,11 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs)."""
     batch, n_new, heads, _ = q_nope.shape
     cfg = dict(config or decode_config(n_new * heads, fp8))
-    ws_tile = {k: cfg.pop(k) for k in ("WS_BLOCK_N", "WS_STAGES") if k in cfg}  # tuning knobs (NOTES, issue 6, i)
-    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache, ws_tile)
+    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache)
     if ws:  # the Gluon kernel's key tile also decides the split boundaries (and the merge's view of them)
         from . import kernels_ws
 
-        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N),
-                   WS_STAGES=ws_tile.get("WS_STAGES", kernels_ws.STAGES), PROGRAMS_PER_SM=1)
+        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
@@ -571,13 +570,13 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     return cfg, ws, m_blocks, num_splits
 
 
-def _ws_supported(q, cache, ws_tile):
+def _ws_supported(q, cache):
     """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run this call."""
     if not q.is_cuda:
         return False
     from . import kernels_ws
 
-    return kernels_ws.supported(q, cache, ws_tile.get("WS_BLOCK_N", kernels_ws.BLOCK_N))
+    return kernels_ws.supported(q, cache)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -636,7 +635,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
-                      num_splits, cfg["BLOCK_N"], cfg["WS_STAGES"])
+                      num_splits)
         if num_splits > 1:
             merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"], merge_rows)
         return o, lse

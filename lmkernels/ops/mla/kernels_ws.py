@@ -4,16 +4,25 @@ to 64, see kernels.decode_config).
 Why: with 64 rows the Triton kernel (kernels.py) is one 8-warp program per SM whose QK wgmma, softmax and PV
 wgmma run one after the other, at 35–41% of the bf16 GEMM rate; Triton 3.6's own warp specialisation declines
 that loop (benchmarks/NOTES.md, issue 6). Here one program (a 64-row block of one sequence and one split of its
-keys) has three partitions sharing the shared memory:
-- a loader warp streams 64-key tiles of the latent cache ([64, 512] c_kv + [64, 64] k_pe) through TMA into a
-  two-stage ring, one page-table read per tile (pages hold whole tiles: page_size % 64 == 0);
-- two consumer warpgroups each own half of the 512 output columns. Each computes the full scores
-  S = [q_lat | q_pe] · [c_kv | k_pe]ᵀ (64 × 64, wgmma from shared memory), the online softmax in base 2, and
-  o_half += P · c_kv[:, half] (P from registers). The score work is done twice (once per warpgroup) so that
-  neither ever waits for the other: while one runs its softmax, the other's wgmma has the tensor cores.
+keys) has three partitions sharing the shared memory, scheduled as the "seesaw" of FlashMLA's write-up
+(docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA):
+- two consumer warpgroups each own half of the 512 output columns (o_L, o_R: 64 × 256 fp32 in registers).
+  Warpgroup 0 computes the scores S = [q_lat | q_pe] · [c_kv | k_pe]ᵀ of the even 64-key tiles, warpgroup 1 those
+  of the odd ones (wgmma from shared memory), so each score is computed once. One online-softmax chain is handed
+  back and forth through shared memory (the running max after each tile); P of a tile goes into that tile's k_pe
+  slot, which its scores no longer need, and the other warpgroup multiplies it from there by its half of c_kv.
+  While one runs its softmax, the other's wgmma has the tensor cores;
+- a loader warp streams the tiles through TMA into two stages (stage 0: even tiles, 1: odd), each tile as nine
+  64-column pieces with a ready barrier apiece (the score wgmma of a piece starts once it lands), one page-table
+  read per tile (pages hold whole tiles: page_size % 64 == 0). A stage comes back in two parts: the half of c_kv
+  its scoring warpgroup multiplies by P from registers, and the other half with the P slot once the other
+  warpgroup is done with them; the loader refills in that order.
 Keys past the sequence end inside the last tile are masked in S and their c_kv rows zeroed in shared memory
-before P · c_kv (the page may hold anything there, NaN included). Outputs, LSE and split partials follow
-kernels._mla_decode_kernel (SPLIT: partials for the merge kernel).
+before P · c_kv (the page may hold anything there, NaN included). o leaves through a freed stage, so that whole
+rows are stored in 16-byte pieces. Outputs, LSE and split partials follow kernels._mla_decode_kernel (SPLIT:
+partials for the merge kernel). H100 against the duplicated-score kernel it replaces (session m): 128 heads
++21–28% at 8k–32k, +20% at B=128 1k; 16 × 2 MTP rows (memory-bound) 1–2.5% slower, since a stage is held for a
+whole pair of tiles.
 Compiled kernels only: the interpreter cannot run Gluon, so CPU tests run kernels.py and this kernel is checked
 against the reference on the GPU (`lmkernels check`)."""
 
@@ -25,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 BLOCK_M = 64
-BLOCK_N = 64
-STAGES = 2
+BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
+PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -41,31 +50,10 @@ def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr):
-    BLOCK_N: gl.constexpr = kc.shape[1]
-    KV_LORA: gl.constexpr = kc.shape[2]
-    ROPE: gl.constexpr = kp.shape[2]
-    layout_c: gl.constexpr = kc.layout
-    layout_p: gl.constexpr = kp.layout
-    c_desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, KV_LORA], layout_c)
-    p_desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, ROPE], layout_p)
-    stages: gl.constexpr = kc.shape[0]
-    for i in range(n_tiles):
-        s = i % stages
-        n0 = start + i * BLOCK_N
-        row = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size  # read while we wait
-        mbarrier.wait(empty.index(s), (i // stages & 1) ^ 1)  # fresh barriers count as released
-        bar = ready.index(s)
-        mbarrier.expect(bar, BLOCK_N * (KV_LORA + ROPE) * c_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tma.async_copy_global_to_shared(c_desc, [row, 0], bar, kc.index(s))
-        tma.async_copy_global_to_shared(p_desc, [row, KV_LORA], bar, kp.index(s))
-
-
-@gluon.jit
 def _load_q(ctx, rows_args, HALF_IDX: gl.constexpr):
     """q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat
-    (warpgroup 0 also q_pe), 64 columns at a time, while the loader's first tiles are on their way; then wait for
-    the other warpgroup's half."""
+    (warpgroup 0 also q_pe), all loads issued before the first store (one round trip), while the loader's first
+    tiles are on their way; then wait for the other warpgroup's half."""
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = ctx
     qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
     m_block, b64, n_new, heads = rows_args
@@ -74,24 +62,17 @@ def _load_q(ctx, rows_args, HALF_IDX: gl.constexpr):
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+    dh = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
     row_ok = (r < n_new * heads)[:, None]
-    qn_rows = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
-    for col in gl.static_range(HALF_IDX * HALF, HALF_IDX * HALF + HALF, 64):
-        q_smem.slice(col, 64, dim=1).store(gl.load(qn_rows + col + d[None, :], mask=row_ok, other=0.0))
+    qn = gl.load(qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
+                 + dh[None, :], mask=row_ok, other=0.0)
     if HALF_IDX == 0:
         qp_smem.store(gl.load(qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt
                               + (r % heads)[:, None] * stride_qph + d[None, :], mask=row_ok, other=0.0))
+    q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store(qn)
     fence_async_shared()
     mbarrier.arrive(q_bar)
     mbarrier.wait(q_bar, 0)
-
-
-@gluon.jit
-def _scores(q_smem, qp_smem, kct, kpt, s_zero):
-    """S = [q_lat | q_pe] · [c_kv | k_pe]ᵀ of one tile, both operands from shared memory."""
-    sc = warpgroup_mma(q_smem, kct.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    sc = warpgroup_mma(qp_smem, kpt.permute((1, 0)), sc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
 
 @gluon.jit
@@ -120,9 +101,80 @@ def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale):
 
 
 @gluon.jit
-def _pv(a, v, acc, n0, end):
-    """acc += a · v (a: P in registers; v: this warpgroup's columns of the tile's c_kv). The sequence's partial last
-    tile first gets the rows past its end zeroed in v (the page may hold anything there, NaN included)."""
+def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, nbytes):
+    """Piece j of the tile at cache row `row` into stage s (c_kv columns [64 j, +64), or k_pe for j = 8)."""
+    bar = ready.index(s * PIECES + j)
+    mbarrier.expect(bar, nbytes)
+    if j == 8:
+        tma.async_copy_global_to_shared(desc, [row, 512], bar, kp_s)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, 64 * j], bar, kc_s.slice(64 * j, 64, dim=1))
+
+
+@gluon.jit
+def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr):
+    """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
+    own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
+    and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
+    empty[2 s + 1]: other."""
+    BLOCK_N: gl.constexpr = kc.shape[1]
+    KV_LORA: gl.constexpr = kc.shape[2]
+    ROPE: gl.constexpr = kp.shape[2]
+    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
+    nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
+    for k in range((n_tiles + 1) // 2):
+        ph = (k & 1) ^ 1  # fresh barriers count as released
+        n0 = start + 2 * k * BLOCK_N
+        row0 = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
+        mbarrier.wait(empty.index(0), ph)  # stage 0 own: columns 0–255 (warpgroup 0's P · V)
+        for j in gl.static_range(4):
+            _load_piece(desc, row0, kc.index(0), kp.index(0), ready, 0, j, nbytes)
+        mbarrier.wait(empty.index(1), ph)  # stage 0 other: columns 256–511 and the k_pe / P slot
+        for j in gl.static_range(4, 9):
+            _load_piece(desc, row0, kc.index(0), kp.index(0), ready, 0, j, nbytes)
+        if 2 * k + 1 < n_tiles:
+            n1 = n0 + BLOCK_N
+            row1 = gl.load(bt_row + n1 // page_size).to(gl.int32) * page_size + n1 % page_size
+            mbarrier.wait(empty.index(3), ph)  # stage 1 other: columns 0–255 and the k_pe / P slot
+            for j in gl.static_range(4):
+                _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
+            _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, 8, nbytes)
+            mbarrier.wait(empty.index(2), ph)  # stage 1 own: columns 256–511 (warpgroup 1's P · V)
+            for j in gl.static_range(4, 8):
+                _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
+
+
+@gluon.jit
+def _qk_piece(sc, q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, phase,
+              FIRST: gl.constexpr):
+    mbarrier.wait(ready.index(s * PIECES + j), phase)
+    if j == 8:
+        return warpgroup_mma(qp_smem, kp_s.permute((1, 0)), sc, use_acc=not FIRST, is_async=True)
+    return warpgroup_mma(q_smem.slice(64 * j, 64, dim=1), kc_s.slice(64 * j, 64, dim=1).permute((1, 0)), sc,
+                         use_acc=not FIRST, is_async=True)
+
+
+@gluon.jit
+def _scores(q_smem, qp_smem, kc, kp, ready, s: gl.constexpr, phase, s_zero):
+    """S of the tile in stage s, each piece's wgmma issued as soon as that piece has landed (pieces in the
+    loader's order)."""
+    if s == 0:
+        sc = _qk_piece(s_zero, q_smem, qp_smem, kc.index(0), kp.index(0), ready, 0, 0, phase, True)
+        for j in gl.static_range(1, 9):
+            sc = _qk_piece(sc, q_smem, qp_smem, kc.index(0), kp.index(0), ready, 0, j, phase, False)
+    else:
+        sc = _qk_piece(s_zero, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, 0, phase, True)
+        for j in gl.static_range(1, 4):
+            sc = _qk_piece(sc, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, j, phase, False)
+        sc = _qk_piece(sc, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, 8, phase, False)
+        for j in gl.static_range(4, 8):
+            sc = _qk_piece(sc, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, j, phase, False)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+
+
+@gluon.jit
+def _zero_tail(v, n0, end):
+    """Rows of v past the sequence end set to 0 (the page may hold NaN there; P is 0 but 0 · NaN is not)."""
     BLOCK_N: gl.constexpr = v.shape[0]
     if n0 + BLOCK_N > end:
         zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -132,72 +184,138 @@ def _pv(a, v, acc, n0, end):
             x = part.load(zero_layout)
             part.store(gl.where((n0 + zr < end)[:, None], x, gl.zeros_like(x)))
         fence_async_shared()
-    acc = warpgroup_mma(a, v, acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-
-@gluon.jit
-def _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX: gl.constexpr):
-    """o = acc / l for this warpgroup's columns; warpgroup 0 also stores the LSE."""
-    o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls = \
-        out_args
-    m_block, b64, n_new, heads = rows_args
-    BLOCK_M: gl.constexpr = acc.shape[0]
-    HALF: gl.constexpr = acc.shape[1]
-    o_layout: gl.constexpr = acc.type.layout
-    empty_rows = l_i == 0.0
-    l_safe = gl.where(empty_rows, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (o_ptr + b64 * stride_ob + (o_rows // heads)[:, None] * stride_ot + (o_rows % heads)[:, None] * stride_oh
-              + split * stride_os + o_cols[None, :])
-    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(o_rows < n_new * heads)[:, None])
-    if HALF_IDX == 0:
-        rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
-        lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-        gl.store(lse_ptr + b64 * stride_lb + (rows // heads) * stride_lt + (rows % heads) * stride_lh
-                 + split * stride_ls, lse, mask=rows < n_new * heads)
 
 
 @gluon.jit
 def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
-    """Columns [HALF_IDX · 256, +256) of the output of one 64-row block over the split's tiles. Every tile's
-    scores are computed in both warpgroups: twice the score work, but nothing to exchange (handing P over instead
-    was no faster: benchmarks/NOTES.md, issue 6, session i)."""
-    q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = ctx
+    """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
+    stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
+    max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
+    o_L = o_L · α0 + P0 · V0L; 1 scores t1, takes m0, its softmax gives m1 and P1 (P1 into t1's k_pe slot),
+    o_R = (o_R · α0 + P0 · V0R) · α1 + P1 · V1R; 0 takes m1: o_L = o_L · α1 + P1 · V1L. One softmax chain, handed
+    back and forth, while the other warpgroup's wgmma has the tensor cores."""
+    q_ctx, bar_m, sm, sl = ctx
+    q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
     start, end, n_tiles, seq_len = span
     m_block, b64, n_new, heads = rows_args
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     BLOCK_N: gl.constexpr = kc.shape[1]
-    stages: gl.constexpr = kc.shape[0]
     dtype: gl.constexpr = kc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    _load_q(ctx, rows_args, HALF_IDX)
+    _load_q(q_ctx, rows_args, HALF_IDX)
     rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-    pos = seq_len - n_new + rows // heads  # causal among the new tokens
+    pos = seq_len - n_new + rows // heads
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    for i in range(n_tiles):
-        s = i % stages
-        n0 = start + i * BLOCK_N
-        mbarrier.wait(ready.index(s), i // stages & 1)
-        sc = _scores(q_smem, qp_smem, kc.index(s), kp.index(s), s_zero)
-        p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
-        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-        acc = _pv(gl.convert_layout(p.to(dtype), p_layout), kc.index(s).slice(HALF_IDX * HALF, HALF, dim=1), acc,
-                  n0, end)
-        mbarrier.arrive(empty.index(s))
-    _epilogue(acc, m_i, l_i, out_args, rows_args, HALF_IDX)
+    for k in range((n_tiles + 1) // 2):
+        ph = k & 1
+        n0 = start + 2 * k * BLOCK_N
+        n1 = n0 + BLOCK_N
+        has1 = 2 * k + 1 < n_tiles
+        if HALF_IDX == 0:
+            sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero)
+            p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
+            kp.index(0).store(p.to(dtype))
+            sm.slice(0, BLOCK_M).store(m0)
+            fence_async_shared()
+            mbarrier.arrive(bar_m.index(0))
+            acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
+            _zero_tail(kc.index(0).slice(0, HALF, dim=1), n0, end)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(0))
+            m_i = m0
+            if has1:
+                mbarrier.wait(bar_m.index(1), ph)
+                m1 = sm.slice(BLOCK_M, BLOCK_M).load(row_layout)
+                a1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
+                l_i = l_i * a1
+                acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
+                _zero_tail(kc.index(1).slice(0, HALF, dim=1), n1, end)
+                acc = warpgroup_mma(kp.index(1), kc.index(1).slice(0, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(3))
+                m_i = m1
+        else:
+            sc = s_zero
+            if has1:
+                sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero)
+            mbarrier.wait(bar_m.index(0), ph)
+            m0 = sm.slice(0, BLOCK_M).load(row_layout)
+            a0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
+            l_i = l_i * a0
+            m_i = m0
+            p = s_zero
+            a1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
+            if has1:
+                p, m_i, l_i, a1 = _softmax(sc, m0, l_i, n1, end, pos, offs_n, qk_scale)
+                kp.index(1).store(p.to(dtype))
+                sm.slice(BLOCK_M, BLOCK_M).store(m_i)
+                fence_async_shared()
+                mbarrier.arrive(bar_m.index(1))
+            acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
+            _zero_tail(kc.index(0).slice(HALF, HALF, dim=1), n0, end)
+            acc = warpgroup_mma(kp.index(0), kc.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(1))
+            if has1:
+                acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
+                _zero_tail(kc.index(1).slice(HALF, HALF, dim=1), n1, end)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(1).slice(HALF, HALF, dim=1),
+                                    acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(2))
+    # l: each warpgroup summed its own tiles' P (both under the final max): exchange through shared memory
+    sl.slice(HALF_IDX * BLOCK_M, BLOCK_M).store(l_i)
+    mbarrier.arrive(bar_m.index(2))
+    mbarrier.wait(bar_m.index(2), 0)
+    l_i = l_i + sl.slice((1 - HALF_IDX) * BLOCK_M, BLOCK_M).load(row_layout)
+    # both warpgroups are past their last wgmma: each takes a stage for its half of o
+    _epilogue(acc, m_i, l_i, out_args, rows_args, kc.index(HALF_IDX), HALF_IDX)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
+    """o = acc / l for this warpgroup's columns, through shared memory (buf: a free 64 KB stage) so that each warp
+    stores whole rows in 16-byte pieces: from the accumulator's registers a thread holds 2 columns of a row, and
+    those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE."""
+    o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls = \
+        out_args
+    m_block, b64, n_new, heads = rows_args
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    HALF: gl.constexpr = acc.shape[1]
+    o_dtype: gl.constexpr = o_ptr.dtype.element_ty
+    VEC: gl.constexpr = 16 // (o_dtype.primitive_bitwidth // 8)
+    o_layout: gl.constexpr = acc.type.layout
+    empty_rows = l_i == 0.0
+    l_safe = gl.where(empty_rows, 1.0, l_i)
+    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_dtype)
+    staged = buf._reinterpret(o_dtype, [BLOCK_M, HALF], gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=o_dtype.primitive_bitwidth, rank=2))
+    staged.store(out)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
+    out = staged.load(rows_layout)
+    o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+    o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+    o_ptrs = (o_ptr + b64 * stride_ob + (o_rows // heads)[:, None] * stride_ot + (o_rows % heads)[:, None] * stride_oh
+              + split * stride_os + o_cols[None, :])
+    gl.store(o_ptrs, out, mask=(o_rows < n_new * heads)[:, None])
+    if HALF_IDX == 0:
+        rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
+        lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(lse_ptr + b64 * stride_lb + (rows // heads) * stride_lt + (rows % heads) * stride_lh
+                 + split * stride_ls, lse, mask=rows < n_new * heads)
 
 
 @gluon.jit
@@ -217,7 +335,7 @@ def _mla_decode_ws_kernel(
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
     n_new, heads, page_size, n_rows, qk_scale, chunk_min, num_splits,
     SPLIT: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     m_block = gl.program_id(0)
     split = gl.program_id(1)
@@ -225,26 +343,34 @@ def _mla_decode_ws_kernel(
     seq_len = gl.load(len_ptr + batch)
     start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
     if SPLIT:
-        if split >= n_valid:  # the merge skips these splits
+        if split >= n_valid:
             return
     b64 = batch.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA], wide)
     qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], wide)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
-    kc = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA], wide)
-    kp = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], wide)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+    mbarrier.init(q_bar, count=2)
+    kc = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], wide)
+    kp = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], wide)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # stage · 2 + (own, other)
+    bar_m = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # m0 + P0, m1 + P1, final l
+    sm = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # m0 | m1
+    sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
+    for i in gl.static_range(2 * PIECES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(4):
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(bar_m.index(0), count=1)
+    mbarrier.init(bar_m.index(1), count=1)
+    mbarrier.init(bar_m.index(2), count=2)
     n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + b64 * stride_bt
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
-    ctx = (q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty)
+    ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
     out_args = (o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh,
                 stride_ls)
     rows_args = (m_block, b64, n_new, heads)
@@ -271,16 +397,15 @@ def triton_ok():
     return triton.__version__.startswith(TRITON_VERSIONS)
 
 
-def supported(q, cache, block_n=BLOCK_N):
+def supported(q, cache):
     """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole key tiles, TMA-aligned cache, a checked
     triton."""
     return (q.is_cuda and triton_ok() and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype == cache.dtype and cache.dtype in (torch.bfloat16, torch.float16)
-            and cache.shape[1] % block_n == 0 and cache.data_ptr() % 16 == 0)
+            and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
-def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits,
-                  block_n=BLOCK_N, stages=STAGES):
+def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits):
     """Launch over (m-blocks of 64 rows, splits, batch); out/out_l: the final o/lse (one split, os_/ls split
     strides 0) or fp32 partials [B, Q, H, S, 512] / [B, Q, H, S] for the merge kernel."""
     batch, n_new, heads, _ = q_nope.shape
@@ -289,6 +414,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, 
         q_nope, q_pe, cache, block_tables, seq_lens, out, out_l,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0), *os_, *ls,
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, chunk_min, num_splits,
-        SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
+        SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4, maxnreg=MAXNREG,
     )
