@@ -25,13 +25,13 @@ def decode(rows, cache="bf16", split=True, cfg=None):
 
 
 def ws(split=True, dtype="bf16"):
-    """The warp-specialised Gluon kernel (kernels_ws.py); split: fp32 partials, as mla_decode gives it."""
+    """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, as mla_decode gives them."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
 
     types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*fp32" if split else "*" + dtype, lse_ptr="*fp32", qk_scale="fp32")
+                 o_ptr="*" + dtype, lse_ptr="*fp32", qk_scale="fp32")
     ce = dict(SPLIT=split, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, CONSUMER_REGS=W.CONSUMER_REGS)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 

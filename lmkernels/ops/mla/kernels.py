@@ -17,11 +17,12 @@ tile of a split through masked pointer loads.
 Online softmax in base 2, fp32 accumulators. With several splits each program writes a partial (o, lse)
 and they are merged by their log-sum-exp: up to FUSED_MAX_SPLITS splits inside the decode kernel (the last
 split of a sequence to finish, counted by an atomic counter per (sequence, m-block); o partials in the query
-dtype), more by a second kernel (fp32 partials). Split boundaries: fixed chunks (from the caller's bound on the
-context) of the length read on the device, so the launch depends only on shapes (CUDA graphs capture it; no host
-sync). Where no merge kernel follows (one split, or the in-kernel merge) the decode kernel is launched with
-programmatic dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query
-dtype in registers before the dots, the scales loaded once per key and 128-value group.
+dtype), more by a second kernel (fp32 partials; the Gluon kernel's in the query dtype). Split boundaries: fixed
+chunks (from the caller's bound on the context) of the length read on the device, so the launch depends only on
+shapes (CUDA graphs capture it; no host sync). Where no merge kernel follows (one split, or the in-kernel merge)
+the decode kernel is launched with programmatic dependent launch (PDL). FP8 cache: tiles are dequantised
+(value · scale of its group) to the query dtype in registers before the dots, the scales loaded once per key and
+128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
 kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
 kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
@@ -529,8 +530,9 @@ def decode_config(rows: int, fp8: bool = False):
     WS: on Hopper with a 16-bit cache in 64-key pages (decode_plan), the warp-specialised Gluon kernel of
     kernels_ws.py instead, for 32 rows and more (its first version, with every score computed twice: 64 rows
     +37–51% at 8k–32k, +18–25% at 1k, 32 rows +5–12%; its seesaw schedule, session m: 128 heads +21–28% at 8k–32k,
-    +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i), fp32
-    partials through the merge kernel (16-bit ones, and merging in the kernel, were slower).
+    +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i),
+    16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
+    the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
     FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
     splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
     (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
@@ -617,11 +619,13 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
-    # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs, 16-bit
-    # partials 17: NOTES, issue 6, session i)
+    # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
+    # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
-    partial_dtype = q_nope.dtype if fused else torch.float32  # 16-bit partials: half the merging program's loads
+    # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, session m);
+    # the separate merge after the Triton kernel keeps fp32 ones (its one-row programs are slower on 16-bit)
+    partial_dtype = q_nope.dtype if fused or ws else torch.float32
     merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)

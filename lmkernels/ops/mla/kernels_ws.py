@@ -407,7 +407,7 @@ def supported(q, cache):
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits):
     """Launch over (m-blocks of 64 rows, splits, batch); out/out_l: the final o/lse (one split, os_/ls split
-    strides 0) or fp32 partials [B, Q, H, S, 512] / [B, Q, H, S] for the merge kernel."""
+    strides 0) or partials [B, Q, H, S, 512] (16-bit) / [B, Q, H, S] (fp32) for the merge kernel."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     _mla_decode_ws_kernel[(m_blocks, num_splits, batch)](
