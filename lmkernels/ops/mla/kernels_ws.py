@@ -211,7 +211,7 @@ def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     _load_q(q_ctx, rows_args, HALF_IDX)
     rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-    pos = seq_len - n_new + rows // heads
+    pos = seq_len - n_new + rows // heads  # causal among the new tokens
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
@@ -343,7 +343,7 @@ def _mla_decode_ws_kernel(
     seq_len = gl.load(len_ptr + batch)
     start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
     if SPLIT:
-        if split >= n_valid:
+        if split >= n_valid:  # the merge skips these splits
             return
     b64 = batch.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
@@ -352,7 +352,7 @@ def _mla_decode_ws_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA], wide)
     qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], wide)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=2)
+    mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
     kc = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], wide)
     ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
