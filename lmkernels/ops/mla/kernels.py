@@ -623,8 +623,9 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
     pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
-    # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, session m);
-    # the separate merge after the Triton kernel keeps fp32 ones (its one-row programs are slower on 16-bit)
+    # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
+    # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
+    # with 16-bit since session j, when the one-row merge was slower on them)
     partial_dtype = q_nope.dtype if fused or ws else torch.float32
     merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
     chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])

@@ -106,7 +106,7 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
     bar = ready.index(s * PIECES + j)
     mbarrier.expect(bar, nbytes)
     if j == 8:
-        tma.async_copy_global_to_shared(desc, [row, 512], bar, kp_s)
+        tma.async_copy_global_to_shared(desc, [row, kc_s.shape[1]], bar, kp_s)
     else:
         tma.async_copy_global_to_shared(desc, [row, 64 * j], bar, kc_s.slice(64 * j, 64, dim=1))
 
