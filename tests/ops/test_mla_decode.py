@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lmkernels.ops.mla import kernels, kernels_ws, mla_decode, reference
 from tests.helpers import compile_in_fresh_process, nan_empty
@@ -243,5 +245,95 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
     assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
     assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
-    cfg, ws, m_blocks, _ = kernels.decode_plan(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), False, 8192)
+    cfg, ws, m_blocks, *_ = kernels.decode_plan(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), False, 8192)
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
+
+
+@triton.jit
+def _schedule_probe(len_ptr, out_ptr, batch, slots, min_tiles, step, BLOCK_N: tl.constexpr):
+    slot = tl.program_id(0) * step  # every step-th slot (the interpreter runs each program's search)
+    seq, seq_len, start, end, n_seq, first = kernels._chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
+                                                                    kernels.MAX_CHUNKS)
+    tl.store(out_ptr + 6 * slot + tl.arange(0, 8), tl.where(tl.arange(0, 8) == 0, seq, tl.where(
+        tl.arange(0, 8) == 1, seq_len, tl.where(tl.arange(0, 8) == 2, start, tl.where(
+            tl.arange(0, 8) == 3, end, tl.where(tl.arange(0, 8) == 4, n_seq, first))))), mask=tl.arange(0, 8) < 6)
+
+
+@pytest.mark.parametrize("lens,block_n,slots,min_tiles", [
+    ([32768] + [1024] * 31, 32, 132, 8),  # one long sequence among short ones: 64 chunks of 512 keys for it
+    ([8192] + [512] * 127, 32, 132, 8),  # four spare slots: the long one in 5 chunks
+    ([1024] * 32, 32, 132, 8),  # uniform: 4 chunks each, as the static split gave
+    ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1),  # empty and one-key sequences: one chunk each
+    ([37], 16, 7, 1),
+    ([5000 + 997 * i % 4099 for i in range(150)], 64, 170, 4),  # more sequences than one SEQ_BLOCK
+    ([70000, 3], 16, 4, 1),  # the search's widest range (4375 tiles)
+    ([300000, 10], 16, 300, 1),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
+])
+def test_balanced_schedule(lens, block_n, slots, min_tiles):
+    """The balanced schedule (kernels._chunk_of_slot, every few slots) against its plain-Python definition: the
+    smallest chunk size that fits the slots, chunks numbered in sequence order, every key of every sequence in exactly one
+    chunk, spare slots marked by sequence = batch."""
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full((slots * 6 + 2,), -7, dtype=torch.int32)
+    step = 1 + slots // 40
+    _schedule_probe[(triton.cdiv(slots, step),)](lens_t, out, len(lens), slots, min_tiles, step, BLOCK_N=block_n)
+    got = out[: slots * 6].view(slots, 6).tolist()
+    c, ranges = kernels.split_schedule(lens, block_n, slots, min_tiles)
+    assert sum(n for _, n in ranges) <= slots
+    slot = 0
+    for i, (first, n) in enumerate(ranges):
+        assert first == slot
+        for j in range(n):
+            start = j * c * block_n
+            if slot % step == 0:
+                assert got[slot] == [i, lens[i], start, min(start + c * block_n, lens[i]), n, first], (slot, got[slot])
+            slot += 1
+        assert n == 1 or (n - 1) * c * block_n < lens[i] <= n * c * block_n  # the chunks cover the sequence
+    assert all(got[s][0] == len(lens) for s in range(slot, slots) if s % step == 0)  # spare slots
+
+
+def test_uniform_batches_keep_the_heuristic_splits(monkeypatch):
+    """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule (H100's
+    132 SMs; 16 to 128 heads, 1–2 tokens, batch 1–256, contexts 1–128k), so only skewed batches change."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
+        for batch in (1, 3, 32, 33, 100, 128, 133, 256):
+            for ctx in (1, 100, 300, 1000, 1024, 8000, 8192, 32768, 131072):
+                q = torch.empty(batch, n_new, heads, 512, dtype=torch.bfloat16)
+                cfg, _, _, splits, slots, min_tiles = kernels.decode_plan(q, cache, False, ctx)
+                block_n = cfg["BLOCK_N"]
+                chunk = -(-(-(-ctx // splits)) // block_n) * block_n  # the static split's chunk (keys)
+                c, ranges = kernels.split_schedule([ctx] * batch, block_n, slots, min_tiles)
+                assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
+
+
+@pytest.mark.parametrize("heads,n_new", [(16, 1), (16, 2), (128, 1)])
+def test_decode_skewed_batch(monkeypatch, heads, n_new):
+    """The default launch on a skewed batch (a 4-SM GPU: one split each, slots rounded up to whole waves, 8 for 5
+    sequences, 6 at two m-blocks): the long sequence takes the spare slots (several chunks, merged), the others
+    one chunk each, written without a merge; an empty sequence; outputs and partials NaN-poisoned, cache rows past
+    each end NaN; twice in a row (the merge counters are reset). 128 heads: the Triton kernel's 64-row tiles with
+    the balanced split forced on (on Hopper the Gluon kernel balances these rows; the Triton kernel keeps the static
+    split at 32 and 64 rows, see decode_config)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = [600, 3, 17, 0, 45]
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
+    for b, n in enumerate(lens):
+        for j in range(n, tables.shape[1] * 64):
+            cache[tables[b, j // 64], j % 64] = float("nan")
+    cfg = dict(kernels.decode_config(heads * n_new), BALANCED=True)
+    _, _, _, splits, slots, min_tiles = kernels.decode_plan(q_nope, cache, False, 600, config=cfg)
+    _, ranges = kernels.split_schedule(lens, cfg["BLOCK_N"], slots, min_tiles)
+    assert splits == 1 and slots == (6 if heads * n_new > 32 else 8)
+    assert ranges[0][1] > 1 and all(n == 1 for _, n in ranges[1:])
+    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+    fin = torch.isfinite(want_lse)
+    for _ in range(2):
+        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, None, 600, config=cfg)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert (o.double() - want).norm() / want.norm() < 2e-3
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
+        assert not kernels._counters(o.device, 1).any()

@@ -13,14 +13,15 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     cfg = dict(cfg or K.decode_config(rows, cache != "bf16"))
     cfg.setdefault("KEYS_MAJOR", False)
     cfg.setdefault("TMA", False)
+    cfg.setdefault("HALVES", False)
+    cfg.pop("WS", None)  # the Triton kernel at the Gluon kernel's rows: decode_config's tiles
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*bf16" if not split or K.FUSED_MERGE else "*fp32", lse_ptr="*fp32", fo_ptr="*bf16",
-                 flse_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
+                 o_ptr="*bf16", lse_ptr="*fp32", po_ptr="*bf16" if K.FUSED_MERGE else "*fp32", pl_ptr="*fp32",
+                 sched_ptr="*i32", cnt_ptr="*i32", qk_scale="fp32")
     cfg.setdefault("FUSED_MERGE", split and K.FUSED_MERGE)
-    ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", STORE_LSE=True, KV_LORA=512, ROPE=64,
-              INTERPRET=False, **cfg)
+    ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", KV_LORA=512, ROPE=64, INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
 
@@ -31,8 +32,9 @@ def ws(split=True, dtype="bf16"):
     from . import kernels_ws as W
 
     types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*" + dtype, lse_ptr="*fp32", qk_scale="fp32")
-    ce = dict(SPLIT=split, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, CONSUMER_REGS=W.CONSUMER_REGS)
+                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
+                 qk_scale="fp32")
+    ce = dict(SPLIT=split, MAX_CHUNKS=W.MAX_CHUNKS, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, CONSUMER_REGS=W.CONSUMER_REGS)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
@@ -55,9 +57,8 @@ def main(argv=None):
                     continue
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
-    mtypes = dict(part_o_ptr="*fp32", part_l_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
-    mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, BLOCK_N=32,
-               INTERPRET=False)
+    mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
+    mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, INTERPRET=False)
     _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))

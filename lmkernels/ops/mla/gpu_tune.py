@@ -176,13 +176,12 @@ def ab(name, shapes, candidates, budget_s):
 def merge_only(shapes):
     """The separate merge kernel alone on ready partials (batch, rows, splits): its share of a decode call."""
     for batch, rows, splits in shapes:
-        out = torch.randn(batch, 1, rows, splits, 512, device=DEV)
-        out_l = torch.randn(batch, 1, rows, splits, device=DEV)
-        lens = torch.full((batch,), 8192, dtype=torch.int32, device=DEV)
+        part_o = torch.randn(batch * splits, 1, rows, 512, device=DEV)
+        part_l = torch.randn(batch * splits, 1, rows, device=DEV)
+        sched = torch.tensor([[b * splits, splits] for b in range(batch)], dtype=torch.int32, device=DEV)
         o = torch.empty(batch, 1, rows, 512, dtype=torch.bfloat16, device=DEV)
         lse = torch.empty(batch, 1, rows, device=DEV)
-        chunk = kernels.decode_chunk(8192, splits, 32)
-        ms = timing.time_ms(lambda: kernels.merge_partials(out, out_l, lens, o, lse, chunk, 32))
+        ms = timing.time_ms(lambda: kernels.merge_partials(part_o, part_l, sched, o, lse, splits))
         OUT["sweep"].append(dict(ab="merge only", batch=batch, rows=rows, splits=splits, us=ms * 1e3))
         log(f"  merge kernel alone B={batch} rows {rows} splits {splits}: {ms * 1e3:.1f} us")
 

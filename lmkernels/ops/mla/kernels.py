@@ -118,14 +118,99 @@ def write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, cache
 
 
 @triton.jit
-def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: tl.constexpr):
-    """Keys [start, end) of split `split` and the number of non-empty splits, from the length alone: chunks
-    of chunk_min keys (the same for every sequence), longer where num_splits of them would not cover it."""
+def _static_chunk(len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N: tl.constexpr):
+    """The static split (decode_config's BALANCED off): sequence slot // num_splits, chunks of chunk_min keys (the
+    same for every sequence, from the caller's bound on the context), longer where num_splits of them would not
+    cover it. Returns as _chunk_of_slot."""
+    seq = slot // num_splits
+    split = slot % num_splits
+    seq_len = tl.load(len_ptr + seq, mask=seq < batch, other=0).to(tl.int32)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, chunk_min)
-    n_valid = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
+    n_seq = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)  # an empty sequence: one chunk, no keys
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    return start, end, n_valid
+    return tl.where(split < n_seq, seq, batch), seq_len, start, end, n_seq, slot - split
+
+
+@triton.jit
+def _block_tiles(len_ptr, b0, batch, len0, BLOCK_N: tl.constexpr):
+    """(indices, key tiles) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
+    others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache: H100, NOTES, session n)."""
+    i = b0 + tl.arange(0, len0.shape[0])
+    loaded = tl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(tl.int32)
+    return i, tl.cdiv(tl.where(b0 == 0, len0, loaded), BLOCK_N)
+
+
+@triton.jit
+def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                   SEQ_BLOCK: tl.constexpr = 128, K: tl.constexpr = 16):
+    """The keys of program `slot` under the balanced split of the batch, from the lengths (the same on every
+    program): chunk size c (key tiles) = the smallest c ≥ lo = max(min_tiles, ⌈tiles / slots⌉, ⌈longest /
+    MAX_CHUNKS⌉ (what a merge takes)) with Σᵢ max(1, ⌈tilesᵢ / c⌉) ≤ slots; sequence i is cut into
+    nᵢ = max(1, ⌈tilesᵢ / c⌉) chunks, numbered in sequence order, and program `slot` takes chunk `slot`. Returns
+    (sequence, its length, keys [start, end), nᵢ, the slot of its first chunk); sequence = batch: a spare slot.
+    A uniform batch needs no search (c = hi = ⌈longest / (slots // batch)⌉, which always fits) and maps slots to
+    sequences in closed form. Otherwise the search keeps c in [lo, hi] and tests K candidates per round (a
+    [SEQ_BLOCK, K] count), each round cutting the range K-fold: SEARCH_ROUNDS rounds find c exactly up to
+    K^SEARCH_ROUNDS tiles apart (beyond, c = hi is a little larger than it could be, never too small), and a prefix
+    sum over the chunk counts finds the slot's sequence. The first SEQ_BLOCK lengths are loaded once and kept in
+    registers (one dependent load, as with no schedule). The loops are written as in kernels_ws._chunk_of_slot, where
+    ptxas spilled the consumer registers for other forms; while loops: the interpreter takes no tensor range()
+    bounds."""
+    i0 = tl.arange(0, SEQ_BLOCK)
+    len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
+    total = 0
+    most = 0
+    least = 1 << 30
+    b0 = 0
+    while b0 < batch:
+        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N)
+        total += tl.sum(t, 0)
+        most = tl.maximum(most, tl.max(t, 0))
+        least = tl.minimum(least, tl.min(tl.where(i < batch, t, 1 << 30), 0))
+        b0 += SEQ_BLOCK
+    lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
+    hi = tl.maximum(lo, tl.cdiv(most, slots // batch))  # ≤ slots // batch chunks each: fits
+    uniform = most == least  # then hi is the answer: no search
+    k = tl.arange(0, K)
+    n_blocks = tl.cdiv(batch, SEQ_BLOCK)
+    count = tl.zeros([K], tl.int32)
+    j = 0
+    while j < tl.where(uniform, 0, SEARCH_ROUNDS * n_blocks):  # rounds × sequence blocks, one flat loop
+        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # lo first; lo, hi change at a round's end only
+        i, t = _block_tiles(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, BLOCK_N)
+        n = tl.maximum(tl.cdiv(t[:, None], cand[None, :]), 1)
+        count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
+        last = j % n_blocks == n_blocks - 1
+        first_ok = tl.min(tl.where(count <= slots, k, K), 0)
+        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
+        new_hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
+        lo = tl.where(last, new_lo, lo)
+        hi = tl.where(last, new_hi, hi)
+        count = tl.where(last, 0, count)
+        j += 1
+    # this slot's sequence: slot // chunks each (uniform), or the number of sequences whose chunks all lie before it
+    n_each = tl.maximum(tl.cdiv(most, hi), 1)
+    seq = tl.where(uniform, tl.minimum(slot // n_each, batch), 0)
+    first = tl.where(uniform, seq * n_each, 0)
+    done = 0
+    b0 = 0
+    while b0 < tl.where(uniform, 0, batch):
+        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N)
+        n = tl.where(i < batch, tl.maximum(tl.cdiv(t, hi), 1), 0)
+        ends = done + tl.cumsum(n, 0)
+        before = (i < batch) & (ends <= slot)
+        seq += tl.sum(before.to(tl.int32), 0)
+        first = tl.maximum(first, tl.max(tl.where(before, ends, 0), 0))
+        done += tl.sum(n, 0)
+        b0 += SEQ_BLOCK
+    far = (seq >= SEQ_BLOCK) & (seq < batch)  # past the registers' block
+    seq_len = tl.where(far, tl.load(len_ptr + seq, mask=far, other=0).to(tl.int32),
+                       tl.sum(tl.where(i0 == seq, len0, 0), 0))
+    n_seq = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1)
+    start = (slot - first) * hi * BLOCK_N
+    end = tl.minimum(start + hi * BLOCK_N, seq_len)
+    return seq, seq_len, start, end, n_seq, first
 
 
 @triton.jit
@@ -235,46 +320,57 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
 
 @triton.jit
 def _mla_decode_kernel(
-    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr,
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, cnt_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
-    n_new, heads, page_size, n_rows, qk_scale, chunk_min, num_splits,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, STORE_LSE: tl.constexpr, KV_LORA: tl.constexpr,
+    batch, n_new, heads, page_size, n_rows, qk_scale, slots, min_tiles, num_splits, chunk_min,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
+    BALANCED: tl.constexpr = True,
 ):
-    """o_ptr/lse_ptr: the final output (SPLIT false, one split) or the partials [.., split, ..].
-    n_rows: pages · page_size (the descriptors' row count); TMA needs PAGE_TILE and a 16-bit cache.
-    FUSED_MERGE (with SPLIT): each program writes its partial and counts itself in on the (sequence, m-block)
-    counter cnt_ptr[batch · m_blocks + m_block]; the last of the n_valid splits to arrive merges them into the
-    final fo_ptr [B, Q, H, 512] / flse_ptr [B, Q, H] (contiguous) and resets the counter to 0.
+    """Program (m-block, slot). o_ptr [B, Q, H, 512] / lse_ptr [B, Q, H]: the final output (contiguous).
+    SPLIT (slots > batch): the slot takes the chunk _chunk_of_slot gives it (_static_chunk without BALANCED); a
+    sequence of one chunk is written to the
+    final output directly, the chunks of a longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr
+    [slots, Q, H] in the slot's row, and each sequence's (first chunk, chunks) to sched_ptr [B, 2] for the merge.
+    Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
+    PAGE_TILE and a 16-bit cache.
+    FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
+    cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
+    output and resets the counter to 0.
     USE_PDL: launched with programmatic dependent launch: waits for the kernels before it (q, the cache) before any
     load, and lets the next kernel launch early (its CTAs take free slots and wait in turn)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    m_block = tl.program_id(0)  # fastest: the m-blocks of one split read the same pages back to back (L2)
-    split = tl.program_id(1)
-    batch = tl.program_id(2)
-    seq_len = tl.load(len_ptr + batch)
-    start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
+    m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
+    slot = tl.program_id(1)
+    if SPLIT:
+        if BALANCED:
+            seq, seq_len, start, end, n_seq, first = _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
+                                                                    MAX_CHUNKS)
+        else:
+            seq, seq_len, start, end, n_seq, first = _static_chunk(len_ptr, batch, slot, chunk_min, num_splits,
+                                                                   BLOCK_N)
+        if seq >= batch:  # a spare slot
+            return
+        if (slot == first) & (m_block == 0):
+            tl.store(sched_ptr + 2 * seq + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, first, n_seq))
+    else:
+        seq = slot
+        seq_len = tl.load(len_ptr + seq).to(tl.int32)
+        start = 0
+        end = seq_len
+        n_seq = 1
+    rows = n_new * heads
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = r // heads
     head = r % heads
-    row_ok = r < n_new * heads
-    offs_c = tl.arange(0, KV_LORA)
+    row_ok = r < rows
     offs_p = tl.arange(0, ROPE)
-    b64 = batch.to(tl.int64)
-    if SPLIT:
-        if split >= n_valid:  # the merge skips these splits
-            if FUSED_MERGE and split == 0:  # an empty sequence: no split arrives to merge, o = 0, lse = −inf
-                final = b64 * n_new * heads + r
-                tl.store(fo_ptr + final[:, None] * KV_LORA + offs_c[None, :],
-                         tl.zeros([BLOCK_M, KV_LORA], fo_ptr.dtype.element_ty), mask=row_ok[:, None])
-                tl.store(flse_ptr + final, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
-            return
+    b64 = seq.to(tl.int64)
     W: tl.constexpr = KV_LORA // (1 + HALVES)  # columns of one c_kv tile (_mla_tile)
     offs_w = tl.arange(0, W)
     qn_rows = qn_ptr + b64 * stride_qnb + tok[:, None] * stride_qnt + head[:, None] * stride_qnh
@@ -340,155 +436,177 @@ def _mla_decode_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    o_ptrs = (o_ptr + b64 * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
-              + offs_w[None, :])
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if HALVES:
-        tl.store(o_ptrs + W, (acc_hi / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if STORE_LSE:
-        tl.store(lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
-    if FUSED_MERGE:
-        tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
-        counter = cnt_ptr + batch * tl.num_programs(0) + m_block
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_valid - 1:  # the last split of this (sequence, m-block) to finish merges all of them
-            _merge_in_kernel(o_ptr + b64 * stride_ob + tok * stride_ot + head * stride_oh,
-                             lse_ptr + b64 * stride_lb + tok * stride_lt + head * stride_lh,
-                             fo_ptr, flse_ptr, b64 * n_new * heads + r, row_ok, n_valid, stride_os, stride_ls,
-                             KV_LORA, BLOCK_M, MAX_FUSED_SPLITS, 8192 // BLOCK_M, INTERPRET)
-            tl.store(counter, 0)  # ready for the next launch
+    final = b64 * rows + r  # row of the final output; a partial's: slot · rows + r
+    direct = n_seq == 1
+    _store_rows(o_ptr, lse_ptr, final, row_ok & direct, acc, acc_hi, l_safe, lse, offs_w, HALVES)
+    if SPLIT:
+        part = slot.to(tl.int64) * rows + r
+        _store_rows(po_ptr, pl_ptr, part, row_ok & ~direct, acc, acc_hi, l_safe, lse, offs_w, HALVES)
+        if FUSED_MERGE:
+            if n_seq > 1:
+                tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
+                counter = cnt_ptr + seq * tl.num_programs(0) + m_block
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_seq - 1:  # the last chunk of this (sequence, m-block) to finish merges all of them
+                    _merge_in_kernel(po_ptr, pl_ptr, first.to(tl.int64) * rows + r, o_ptr, lse_ptr, final, row_ok,
+                                     n_seq, rows, KV_LORA, BLOCK_M, MAX_FUSED_SPLITS, 8192 // BLOCK_M, INTERPRET)
+                    tl.store(counter, 0)  # ready for the next launch
 
 
 @triton.jit
-def _merge_in_kernel(o_row, l_row, fo_ptr, flse_ptr, final, row_ok, n_valid, stride_os, stride_ls,
+def _store_rows(o_ptr, lse_ptr, row, mask, acc, acc_hi, l_safe, lse, offs_w, HALVES: tl.constexpr):
+    """o = acc / l (both halves with HALVES) and the LSE of the given rows of [rows, 512] / [rows]."""
+    W: tl.constexpr = offs_w.shape[0]
+    o_rows = o_ptr + row[:, None] * (W * (1 + HALVES)) + offs_w[None, :]
+    tl.store(o_rows, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
+    if HALVES:
+        tl.store(o_rows + W, (acc_hi / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
+    tl.store(lse_ptr + row, lse, mask=mask)
+
+
+@triton.jit
+def _merge_in_kernel(po_ptr, pl_ptr, part, fo_ptr, flse_ptr, final, row_ok, n, rows,
                      KV_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    """o = Σ_s e^(lse_s − lse) o_s over the n_valid partials of BLOCK_M rows (o_row, l_row: each row's partials,
-    split stride stride_os / stride_ls) → final rows of fo_ptr [rows, 512] / flse_ptr. All lse at once, then
-    BLOCK_D columns × one split per load ([BLOCK_M, BLOCK_D] = 8192 values: the decode loop's registers are free,
-    the tile takes 64 of them a thread at 4 warps). The loads bypass L1: other SMs wrote these."""
+    """o = Σ_j e^(lse_j − lse) o_j over the n partials of BLOCK_M rows (part: each row's first partial row in
+    po_ptr [slots · rows, 512] / pl_ptr; partial j is `rows` rows further) → final rows of fo_ptr / flse_ptr.
+    The LSE BLOCK_S partials per load (an online max), then BLOCK_D columns × one partial per load
+    ([BLOCK_M, BLOCK_D] = 8192 values: the decode loop's registers are free, the tile takes 64 of them a thread
+    at 4 warps). The loads bypass L1: other SMs wrote these."""
     s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(l_row[:, None] + s[None, :] * stride_ls, mask=row_ok[:, None] & (s < n_valid)[None, :],
-                    other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse_s, 1)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    j0 = 0
+    while j0 < n:
+        lse_s = tl.load(pl_ptr + part[:, None] + (j0 + s)[None, :] * rows,
+                        mask=row_ok[:, None] & (j0 + s < n)[None, :], other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(lse_s - m_safe[:, None]), 1)
+        m = m_new
+        j0 += BLOCK_S
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe[:, None])
-    total = tl.sum(w, 1)
     none = total == 0.0
-    w = w / tl.where(none, 1.0, total)[:, None]
-    tl.store(flse_ptr + final, tl.where(none, float("-inf"), m_safe + tl.log(tl.where(none, 1.0, total))), mask=row_ok)
+    t_safe = tl.where(none, 1.0, total)
+    tl.store(flse_ptr + final, tl.where(none, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
     for c0 in tl.static_range(0, KV_LORA, BLOCK_D):
         d = c0 + tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if INTERPRET:  # the interpreter cannot take tensor range() bounds
             j = 0
-            while j < n_valid:
-                acc += _weighted_partial(o_row, w, s, j, d, row_ok, stride_os)
+            while j < n:
+                acc += _weighted_partial(po_ptr, pl_ptr, part + j * rows, m_safe, t_safe, d, row_ok, KV_LORA)
                 j += 1
         else:
-            for j in range(0, n_valid):
-                acc += _weighted_partial(o_row, w, s, j, d, row_ok, stride_os)
+            for j in range(0, n):
+                acc += _weighted_partial(po_ptr, pl_ptr, part + j * rows, m_safe, t_safe, d, row_ok, KV_LORA)
         tl.store(fo_ptr + final[:, None] * KV_LORA + d[None, :], acc.to(fo_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _weighted_partial(o_row, w, s, j, d, row_ok, stride_os):
-    w_j = tl.sum(tl.where(s[None, :] == j, w, 0.0), 1)
-    o_j = tl.load(o_row[:, None] + j * stride_os + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    return o_j.to(tl.float32) * w_j[:, None]
+def _weighted_partial(po_ptr, pl_ptr, row, m_safe, t_safe, d, row_ok, KV_LORA: tl.constexpr):
+    w = tl.exp(tl.load(pl_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe) / t_safe
+    o_j = tl.load(po_ptr + row[:, None] * KV_LORA + d[None, :], mask=row_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    return o_j.to(tl.float32) * w[:, None]
 
 
 @triton.jit
-def _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps):
-    ok = s0 + c < n_valid
-    w = tl.exp(tl.load(lbase + (s0 + c) * stride_pls, mask=ok, other=float("-inf")) - m_safe)
-    o_s = tl.load(obase + (s0 + c)[:, None] * stride_ps + d[None, :], mask=ok[:, None], other=0.0)
+def _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA: tl.constexpr):
+    ok = s0 + c < n
+    w = tl.exp(tl.load(lbase + (s0 + c) * rows, mask=ok, other=float("-inf")) - m_safe)
+    o_s = tl.load(obase + (s0 + c)[:, None] * rows * KV_LORA + d[None, :], mask=ok[:, None], other=0.0)
     return out + tl.sum(o_s * w[:, None], 0)
 
 
 @triton.jit
 def _mla_merge_kernel(
-    part_o_ptr, part_l_ptr, len_ptr, o_ptr, lse_ptr,
-    stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
-    heads, chunk_min, num_splits,
+    po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """BLOCK_D columns of one (sequence, new token, head) row: o = Σ_s e^(lse_s − lse) o_s over the non-empty
-    splits, CHUNK_S partial rows at a time. Column blocks are separate programs: at B=1 the merge reads up to
-    256 splits × 2 KB per row, and 16 heads alone would leave the GPU nearly idle."""
+    """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
+    chunks (sched_ptr: first chunk, chunks; one chunk: the decode kernel wrote o itself), CHUNK_S partial rows at a
+    time. Column blocks are separate programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16
+    heads alone would leave the GPU nearly idle."""
     batch = tl.program_id(0).to(tl.int64)
-    tok = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
+    r = tl.program_id(1)
     col = tl.program_id(2)
-    seq_len = tl.load(len_ptr + batch)
-    _, _, n_valid = _split_range(seq_len, 0, chunk_min, num_splits, BLOCK_N)
+    first = tl.load(sched_ptr + 2 * batch).to(tl.int64)
+    n = tl.load(sched_ptr + 2 * batch + 1)
+    if n < 2:
+        return
     s = tl.arange(0, BLOCK_S)
-    lbase = part_l_ptr + batch * stride_plb + tok * stride_plt + head * stride_plh
-    lse_s = tl.load(lbase + s * stride_pls, mask=s < n_valid, other=float("-inf"))
+    lbase = pl_ptr + first * rows + r
+    lse_s = tl.load(lbase + s * rows, mask=s < n, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse_s - m_safe), 0)
     d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     c = tl.arange(0, CHUNK_S)
-    obase = part_o_ptr + batch * stride_pb + tok * stride_pt + head * stride_ph
+    obase = po_ptr + (first * rows + r) * KV_LORA
     out = tl.zeros([BLOCK_D], tl.float32)
     if INTERPRET:  # the interpreter cannot take tensor range() bounds
         s0 = 0
-        while s0 < n_valid:
-            out = _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps)
+        while s0 < n:
+            out = _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA)
             s0 += CHUNK_S
     else:
-        for s0 in range(0, n_valid, CHUNK_S):
-            out = _merge_chunk(out, lbase, obase, s0, c, d, n_valid, m_safe, stride_pls, stride_ps)
+        for s0 in range(0, n, CHUNK_S):
+            out = _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA)
     out = out / tl.where(total == 0.0, 1.0, total)
-    tl.store(o_ptr + batch * stride_ob + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + (batch * rows + r) * KV_LORA + d, out.to(o_ptr.dtype.element_ty))
     lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     if col == 0:
-        tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh, lse)
+        tl.store(lse_ptr + batch * rows + r, lse)
 
 
 @triton.jit
-def _mla_merge_rows_kernel(
-    part_o_ptr, part_l_ptr, len_ptr, o_ptr, lse_ptr,
-    stride_pb, stride_pt, stride_ph, stride_ps, stride_plb, stride_plt, stride_plh, stride_pls,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
-    heads, rows, chunk_min, num_splits,
-    ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """ROWS whole rows (new token × head) of one sequence, all S (≥ num_splits) partials at once: every load is
-    issued in one round after the sequence length (the one-row kernel walks the splits in dependent steps)."""
+def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
+                           ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr):
+    """ROWS whole rows (new token × head) of one sequence, S of its chunks' partials at once (all of them in a
+    uniform batch: every load is issued in one round; the one-row kernel walks the chunks in dependent steps),
+    more in further rounds under an online max."""
     batch = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    seq_len = tl.load(len_ptr + batch)
-    _, _, n_valid = _split_range(seq_len, 0, chunk_min, num_splits, BLOCK_N)
-    s = tl.arange(0, S)
-    ok = (r < rows)[:, None] & (s < n_valid)[None, :]
-    tok, head = r // heads, r % heads
-    lse_s = tl.load(part_l_ptr + batch * stride_plb + (tok * stride_plt + head * stride_plh)[:, None]
-                    + s[None, :] * stride_pls, mask=ok, other=float("-inf"))
-    d = tl.arange(0, KV_LORA)
-    o_s = tl.load(part_o_ptr + batch * stride_pb + (tok * stride_pt + head * stride_ph)[:, None, None]
-                  + s[None, :, None] * stride_ps + d[None, None, :], mask=ok[:, :, None], other=0.0)
-    m = tl.max(lse_s, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe[:, None])
-    total = tl.sum(w, 1)
-    t_safe = tl.where(total == 0.0, 1.0, total)
-    out = tl.sum(o_s.to(tl.float32) * w[:, :, None], 1) / t_safe[:, None]
+    first = tl.load(sched_ptr + 2 * batch).to(tl.int64)
+    n = tl.load(sched_ptr + 2 * batch + 1)
+    if n < 2:
+        return
     row_ok = r < rows
-    tl.store(o_ptr + batch * stride_ob + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + batch * stride_lb + tok * stride_lt + head * stride_lh,
-             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
+    s = tl.arange(0, S)
+    d = tl.arange(0, KV_LORA)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    out = tl.zeros([ROWS, KV_LORA], tl.float32)
+    s0 = 0
+    while s0 < n:
+        ok = row_ok[:, None] & (s0 + s < n)[None, :]
+        part = (first + s0 + s)[None, :] * rows + r[:, None]  # [ROWS, S]
+        lse_s = tl.load(pl_ptr + part, mask=ok, other=float("-inf"))
+        o_s = tl.load(po_ptr + part[:, :, None] * KV_LORA + d[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe[:, None])
+        total = total * alpha + tl.sum(w, 1)
+        out = out * alpha[:, None] + tl.sum(o_s.to(tl.float32) * w[:, :, None], 1)
+        m = m_new
+        s0 += S
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    t_safe = tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + (batch * rows + r)[:, None] * KV_LORA + d[None, :],
+             (out / t_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + batch * rows + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
 
 
 MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
 SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
-MAX_SPLITS = 256  # what the merge takes (an explicit num_splits)
+MAX_SPLITS = 256  # what the merge takes (an explicit num_splits; chunks of one sequence)
+MAX_CHUNKS = tl.constexpr(MAX_SPLITS)
+SEARCH_ROUNDS = tl.constexpr(4)  # of _chunk_of_slot's chunk-size search: exact up to 16⁴ tiles (4M keys at 64 a tile)
 # merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
 # reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
 MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
@@ -541,35 +659,78 @@ def decode_config(rows: int, fp8: bool = False):
     if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
-                        PROGRAMS_PER_SM=1)
+                        PROGRAMS_PER_SM=1, BALANCED=False)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True,
-                    PROGRAMS_PER_SM=2 if block_m == 16 else 1)
+                    PROGRAMS_PER_SM=2 if block_m == 16 else 1, BALANCED=block_m == 16)
     if block_m >= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
-                    WS=True)
+                    WS=True, BALANCED=False)
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
-                    PROGRAMS_PER_SM=2, WS=True)
+                    PROGRAMS_PER_SM=2, WS=True, BALANCED=False)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
 
 
 def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
-    """The launch of one decode call: (config, Gluon kernel or not, m-blocks, splits). The Gluon kernel (WS, where
-    decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
-    one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs)."""
+    """The launch of one decode call: (config, Gluon kernel or not, m-blocks, splits, chunk slots, smallest chunk in
+    key tiles). The Gluon kernel (WS, where decode_config asks for it and kernels_ws.supported allows) takes 64-row
+    blocks (fewer rows padded) of 64 keys, one program per SM; otherwise the Triton kernel with decode_config's
+    tiles. Shapes only (CUDA graphs): the grid is m-blocks × slots, and _chunk_of_slot balances the keys over the slots
+    from the lengths on the device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch
+    × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a skewed batch);
+    smallest chunk: the heuristic's chunk (max_context / splits) where keys set the split count, else down to
+    min_keys. A uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count,
+    splits = wave // batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits;
+    where keys do, the smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a
+    grid of shapes). A caller's num_splits: slots = batch × num_splits, any chunk size."""
     batch, n_new, heads, _ = q_nope.shape
     cfg = dict(config or decode_config(n_new * heads, fp8))
     ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache)
-    if ws:  # the Gluon kernel's key tile also decides the split boundaries (and the merge's view of them)
+    if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
         cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
-    if not num_splits:
-        num_splits = decode_num_splits(batch, m_blocks, max_context, sm_count(q_nope.device), per_sm, min_keys)
-    return cfg, ws, m_blocks, num_splits
+    block_n = cfg["BLOCK_N"]
+    balanced = cfg.setdefault("BALANCED", True) or ws
+    if ws:
+        cfg.pop("BALANCED")
+    if num_splits:
+        return cfg, ws, m_blocks, num_splits, batch * num_splits, 1
+    num_sms = sm_count(q_nope.device)
+    splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
+    if not balanced:
+        return cfg, ws, m_blocks, splits, batch * splits, 1
+    wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
+    slots = triton.cdiv(batch * splits, wave) * wave
+    chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
+    # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
+    # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
+    min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
+    return cfg, ws, m_blocks, splits, slots, min_tiles
+
+
+def split_schedule(seq_lens, block_n, slots, min_tiles, max_chunks=MAX_SPLITS):
+    """_chunk_of_slot's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles, [(first chunk, chunks)] per sequence)."""
+    tiles = [-(-int(n) // block_n) for n in seq_lens]
+
+    def fits(c):
+        return sum(max(1, -(-t // c)) for t in tiles) <= slots
+
+    most = max(tiles, default=0)
+    lo = max(1, min_tiles, -(-sum(tiles) // slots), -(-most // max_chunks))
+    hi = max(lo, -(-most // (slots // len(tiles))))
+    while lo < hi:  # the smallest c that fits (c = the longest sequence always does: slots ≥ batch)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    ranges, first = [], 0
+    for t in tiles:
+        n = max(1, -(-t // lo))
+        ranges.append((first, n))
+        first += n
+    return lo, ranges
 
 
 def _ws_supported(q, cache):
@@ -600,6 +761,7 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
 
 
 def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
+    """The static split's chunk (keys, a multiple of block_n; 0 for one split)."""
     if num_splits <= 1:
         return 0
     return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -614,69 +776,64 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg, ws, m_blocks, num_splits = decode_plan(q_nope, cache, fp8, max_context, num_splits, config)
+    cfg, ws, m_blocks, splits, slots, min_tiles = decode_plan(q_nope, cache, fp8, max_context, num_splits, config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
+    split = slots > batch
     # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
     # 6, session i)
-    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and 1 < num_splits <= FUSED_MAX_SPLITS and not ws
-    pdl = cfg.pop("PDL", PDL) and (num_splits == 1 or fused) and pdl_enabled(q_nope.device) and not ws
+    fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and split and splits <= FUSED_MAX_SPLITS and not ws
+    pdl = cfg.pop("PDL", PDL) and (not split or fused) and pdl_enabled(q_nope.device) and not ws
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
     # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
     # with 16-bit since session j, when the one-row merge was slower on them)
     partial_dtype = q_nope.dtype if fused or ws else torch.float32
     merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
-    chunk_min = decode_chunk(max_context, num_splits, cfg["BLOCK_N"])
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
-    if num_splits == 1:
-        out, out_l, os_, ls = o, lse, (*o.stride()[:3], 0), (*lse.stride(), 0)
-    else:
-        out = torch.empty(batch, n_new, heads, num_splits, KV_LORA, dtype=partial_dtype, device=o.device)
-        out_l = torch.empty(batch, n_new, heads, num_splits, dtype=torch.float32, device=o.device)
-        os_, ls = out.stride()[:4], out_l.stride()
+    part_o, part_l, sched = o, lse, seq_lens  # not read without splits
+    if split:
+        part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
+        part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
+        sched = torch.empty(batch, 2, dtype=torch.int32, device=o.device)
     if ws:
         from .kernels_ws import mla_decode_ws
 
-        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, scale * LOG2E, chunk_min,
-                      num_splits)
-        if num_splits > 1:
-            merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"], merge_rows)
-        return o, lse
-    counters = _counters(o.device, batch * m_blocks) if fused else None
-    _mla_decode_kernel[(m_blocks, num_splits, batch)](
-        q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, out, out_l, o, lse, counters,
-        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
-        *os_, *ls, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, chunk_min, num_splits,
-        SPLIT=num_splits > 1, FP8=fp8, STORE_LSE=True, KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(),
-        FUSED_MERGE=fused, USE_PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
-    )
-    if num_splits > 1 and not fused:
-        merge_partials(out, out_l, seq_lens, o, lse, chunk_min, cfg["BLOCK_N"], merge_rows)
+        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,
+                      slots, min_tiles)
+    else:
+        counters = _counters(o.device, batch * m_blocks) if fused else None
+        _mla_decode_kernel[(m_blocks, slots)](
+            q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
+            *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
+            batch, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, slots, min_tiles,
+            splits, decode_chunk(max_context, splits, cfg["BLOCK_N"]), SPLIT=split, FP8=fp8, KV_LORA=KV_LORA,
+            ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
+        )
+    if split and not fused:
+        merge_partials(part_o, part_l, sched, o, lse, splits, merge_rows)
     return o, lse
 
 
-def merge_partials(out, out_l, seq_lens, o, lse, chunk_min, block_n, rows_kernel=None):
-    """The separate merge: partials out [B, Q, H, S, 512], out_l [B, Q, H, S] → o, lse. Whole rows × all splits per
-    program where there are many rows and few splits (rows_kernel: force either kernel), else one row (or a column
-    block of it) per program walking its splits."""
-    batch, n_new, heads, num_splits, _ = out.shape
-    few_rows = batch * n_new * heads < 2 * sm_count(o.device)
+def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None):
+    """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences sched [B, 2]
+    (first chunk, chunks) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load where there
+    are many rows and few splits (rows_kernel: force either kernel), else one row (or a column block of it) per
+    program walking its chunks."""
+    batch, n_new, heads, _ = o.shape
+    rows = n_new * heads
+    few_rows = batch * rows < 2 * sm_count(o.device)
     if rows_kernel is None:
-        rows_kernel = MERGE_ROWS and not few_rows and num_splits <= MERGE_ROWS_SPLITS
+        rows_kernel = MERGE_ROWS and not few_rows and splits <= MERGE_ROWS_SPLITS
     if rows_kernel:
-        S = max(2, triton.next_power_of_2(num_splits))
+        S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
-        _mla_merge_rows_kernel[(batch, triton.cdiv(n_new * heads, rows_per))](
-            out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-            heads, n_new * heads, chunk_min, num_splits, ROWS=rows_per, S=S, KV_LORA=KV_LORA, BLOCK_N=block_n,
-            num_warps=4,
-        )
+        _mla_merge_rows_kernel[(batch, triton.cdiv(rows, rows_per))](
+            part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, num_warps=4)
         return
     block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
-    _mla_merge_kernel[(batch, n_new * heads, KV_LORA // block_d)](
-        out, out_l, seq_lens, o, lse, *out.stride()[:4], *out_l.stride(), *o.stride()[:3], *lse.stride(),
-        heads, chunk_min, num_splits, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET=interpreting(), num_warps=4,
+    _mla_merge_kernel[(batch, rows, KV_LORA // block_d)](
+        part_o, part_l, sched, o, lse, rows, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA, BLOCK_D=block_d,
+        INTERPRET=interpreting(), num_warps=4,
     )

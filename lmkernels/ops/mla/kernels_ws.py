@@ -34,19 +34,85 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 BLOCK_M = 64
+MAX_CHUNKS = 256  # chunks of one sequence at most (kernels.MAX_SPLITS: what the merge takes)
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
+SEARCH_ROUNDS = gl.constexpr(4)  # as kernels.SEARCH_ROUNDS
 
 
 @gluon.jit
-def _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N: gl.constexpr):
-    """As kernels._split_range: keys [start, end) of this split and the number of non-empty splits."""
-    chunk = gl.maximum(((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N, chunk_min)
-    n_valid = gl.where(seq_len > 0, (seq_len + chunk - 1) // gl.maximum(chunk, 1), 0)
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    return start, end, n_valid
+def _block_tiles(len_ptr, b0, batch, len0, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """(indices, key tiles) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
+    others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache)."""
+    i = b0 + gl.arange(0, len0.shape[0], layout=layout)
+    loaded = gl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(gl.int32)
+    return i, (gl.where(b0 == 0, gl.convert_layout(len0, layout), loaded) + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
+def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: gl.constexpr, MAX_CHUNKS: gl.constexpr):
+    """kernels._chunk_of_slot in Gluon (the same chunks; Gluon cannot call a Triton function). The first 128
+    lengths are loaded once and kept in registers: one dependent load, as with no schedule, for batches up to 128.
+    ptxas is touchy here: an if/else, a while loop, nested loops with a data-dependent trip count or one more select
+    before the search made it spill the consumer warpgroups' registers in their score loop (220–224 spill
+    instructions against 33–49, sm_90): the search is one flat loop (rounds × sequence blocks), updated by selects,
+    its trip count 0 for a uniform batch."""
+    SEQ_BLOCK: gl.constexpr = 128
+    K: gl.constexpr = 16
+    seq_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one sequence a thread (a scan needs a plain layout)
+    grid: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [4, 1], [1, 0])  # [SEQ_BLOCK, K]
+    grid_seq_l: gl.constexpr = gl.SliceLayout(1, grid)
+    k_l: gl.constexpr = gl.SliceLayout(0, grid)
+    i0 = gl.arange(0, SEQ_BLOCK, layout=seq_l)
+    len0 = gl.load(len_ptr + i0, mask=i0 < batch, other=0).to(gl.int32)
+    total = 0
+    most = 0
+    least = 1 << 30
+    for b0 in range(0, batch, SEQ_BLOCK):
+        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N, seq_l)
+        total += gl.reduce(t, 0, _add)
+        most = gl.maximum(most, gl.reduce(t, 0, _maximum))
+        least = gl.minimum(least, gl.reduce(gl.where(i < batch, t, 1 << 30), 0, _minimum))
+    lo = gl.maximum(gl.maximum(min_tiles, (total + slots - 1) // slots),
+                    gl.maximum((most + MAX_CHUNKS - 1) // MAX_CHUNKS, 1))
+    per_seq = slots // batch
+    hi = gl.maximum(lo, (most + per_seq - 1) // per_seq)  # ≤ slots // batch chunks each: fits
+    uniform = most == least  # then hi is the answer: no search
+    k = gl.arange(0, K, layout=k_l)
+    n_blocks = (batch + SEQ_BLOCK - 1) // SEQ_BLOCK
+    count = gl.zeros([K], gl.int32, layout=k_l)
+    for j in range(0, gl.where(uniform, 0, SEARCH_ROUNDS * n_blocks)):
+        cand = gl.minimum(lo + (hi - lo + K - 1) // K * k, hi)  # lo first; lo, hi change at a round's end only
+        i, t = _block_tiles(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, BLOCK_N, grid_seq_l)
+        n = gl.maximum((t[:, None] + cand[None, :] - 1) // cand[None, :], 1)
+        count += gl.reduce(gl.where((i < batch)[:, None], n, 0), 0, _add)
+        last = j % n_blocks == n_blocks - 1
+        first_ok = gl.reduce(gl.where(count <= slots, k, K), 0, _minimum)
+        new_lo = gl.where(first_ok == 0, lo, gl.reduce(gl.where(k == first_ok - 1, cand, 0), 0, _add) + 1)
+        new_hi = gl.where(first_ok == K, hi, gl.reduce(gl.where(k == first_ok, cand, 0), 0, _add))
+        lo = gl.where(last, new_lo, lo)
+        hi = gl.where(last, new_hi, hi)
+        count = gl.where(last, 0, count)
+    n_each = gl.maximum((most + hi - 1) // hi, 1)
+    seq = gl.where(uniform, gl.minimum(slot // n_each, batch), 0)
+    first = gl.where(uniform, seq * n_each, 0)
+    done = 0
+    for b0 in range(0, gl.where(uniform, 0, batch), SEQ_BLOCK):
+        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N, seq_l)
+        n = gl.where(i < batch, gl.maximum((t + hi - 1) // hi, 1), 0)
+        ends = done + gl.associative_scan(n, 0, _add)
+        before = (i < batch) & (ends <= slot)
+        seq += gl.reduce(before.to(gl.int32), 0, _add)
+        first = gl.maximum(first, gl.reduce(gl.where(before, ends, 0), 0, _maximum))
+        done += gl.reduce(n, 0, _add)
+    far = (seq >= SEQ_BLOCK) & (seq < batch)  # past the registers' block
+    seq_len = gl.reduce(gl.where(i0 == seq, len0, 0), 0, _add)
+    seq_len = gl.where(far, gl.load(len_ptr + gl.minimum(seq, batch - 1), mask=far, other=0).to(gl.int32), seq_len)
+    n_seq = gl.maximum(((seq_len + BLOCK_N - 1) // BLOCK_N + hi - 1) // hi, 1)
+    start = (slot - first) * hi * BLOCK_N
+    end = gl.minimum(start + hi * BLOCK_N, seq_len)
+    return seq, seq_len, start, end, n_seq, first
 
 
 @gluon.jit
@@ -80,6 +146,11 @@ def _maximum(a, b):
     """Reduction combiners of our own: gl.max and gl.sum wrap triton.language's, whose combiners become interpreter
     objects Gluon cannot call when TRITON_INTERPRET=1 (the CPU tests compile this kernel)."""
     return gl.maximum(a, b)
+
+
+@gluon.jit
+def _minimum(a, b):
+    return gl.minimum(a, b)
 
 
 @gluon.jit
@@ -289,12 +360,14 @@ def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
 def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
     """o = acc / l for this warpgroup's columns, through shared memory (buf: a free 64 KB stage) so that each warp
     stores whole rows in 16-byte pieces: from the accumulator's registers a thread holds 2 columns of a row, and
-    those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE."""
-    o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls = \
-        out_args
+    those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE. Rows go
+    to the final output (final_row0: the sequence's first row; direct: its only chunk) or to the partials
+    (part_row0: the slot's first row), both [rows, 512] / [rows] contiguous."""
+    o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
     m_block, b64, n_new, heads = rows_args
     BLOCK_M: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1]
+    KV_LORA: gl.constexpr = 2 * HALF
     o_dtype: gl.constexpr = o_ptr.dtype.element_ty
     VEC: gl.constexpr = 16 // (o_dtype.primitive_bitwidth // 8)
     o_layout: gl.constexpr = acc.type.layout
@@ -308,14 +381,16 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
     out = staged.load(rows_layout)
     o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
     o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
-    o_ptrs = (o_ptr + b64 * stride_ob + (o_rows // heads)[:, None] * stride_ot + (o_rows % heads)[:, None] * stride_oh
-              + split * stride_os + o_cols[None, :])
-    gl.store(o_ptrs, out, mask=(o_rows < n_new * heads)[:, None])
+    row_ok = (o_rows < n_new * heads)[:, None]
+    gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
+    gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
+             mask=row_ok & (not direct))
     if HALF_IDX == 0:
         rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-        gl.store(lse_ptr + b64 * stride_lb + (rows // heads) * stride_lt + (rows % heads) * stride_lh
-                 + split * stride_ls, lse, mask=rows < n_new * heads)
+        ok = rows < n_new * heads
+        gl.store(lse_ptr + final_row0 + rows, lse, mask=ok & direct)
+        gl.store(pl_ptr + part_row0 + rows, lse, mask=ok & (not direct))
 
 
 @gluon.jit
@@ -330,22 +405,30 @@ def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
 
 @gluon.jit
 def _mla_decode_ws_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
-    n_new, heads, page_size, n_rows, qk_scale, chunk_min, num_splits,
-    SPLIT: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
+    batch, n_new, heads, page_size, n_rows, qk_scale, slots, min_tiles,
+    SPLIT: gl.constexpr, MAX_CHUNKS: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     m_block = gl.program_id(0)
-    split = gl.program_id(1)
-    batch = gl.program_id(2)
-    seq_len = gl.load(len_ptr + batch)
-    start, end, n_valid = _split_range(seq_len, split, chunk_min, num_splits, BLOCK_N)
-    if SPLIT:
-        if split >= n_valid:  # the merge skips these splits
+    slot = gl.program_id(1)
+    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk
+        seq, seq_len, start, end, n_seq, first = _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
+                                                                MAX_CHUNKS)
+        if seq >= batch:  # a spare slot
             return
-    b64 = batch.to(gl.int64)
+        if (slot == first) & (m_block == 0):
+            gl.store(sched_ptr + 2 * seq, first)
+            gl.store(sched_ptr + 2 * seq + 1, n_seq)
+        direct = n_seq == 1
+    else:
+        seq = slot
+        seq_len = gl.load(len_ptr + seq).to(gl.int32)
+        start = 0
+        end = seq_len
+        direct = True
+    b64 = seq.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -371,8 +454,8 @@ def _mla_decode_ws_kernel(
     bt_row = bt_ptr + b64 * stride_bt
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
-    out_args = (o_ptr, lse_ptr, split, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh,
-                stride_ls)
+    rows = n_new * heads
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
     rows_args = (m_block, b64, n_new, heads)
     span = (start, end, n_tiles, seq_len)
     gl.warp_specialize([
@@ -405,15 +488,17 @@ def supported(q, cache):
             and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
-def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, out, out_l, os_, ls, qk_scale, chunk_min, num_splits):
-    """Launch over (m-blocks of 64 rows, splits, batch); out/out_l: the final o/lse (one split, os_/ls split
-    strides 0) or partials [B, Q, H, S, 512] (16-bit) / [B, Q, H, S] (fp32) for the merge kernel."""
+def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
+                  min_tiles):
+    """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
+    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials and sched [B, 2] the chunk ranges for the
+    merge kernel (slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
-    _mla_decode_ws_kernel[(m_blocks, num_splits, batch)](
-        q_nope, q_pe, cache, block_tables, seq_lens, out, out_l,
-        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0), *os_, *ls,
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, chunk_min, num_splits,
-        SPLIT=num_splits > 1, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4, maxnreg=MAXNREG,
+    _mla_decode_ws_kernel[(m_blocks, slots)](
+        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
+        batch, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, slots, min_tiles,
+        SPLIT=slots > batch, MAX_CHUNKS=MAX_CHUNKS, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
