@@ -252,11 +252,12 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
 @triton.jit
 def _schedule_probe(len_ptr, out_ptr, batch, slots, min_tiles, step, BLOCK_N: tl.constexpr):
     slot = tl.program_id(0) * step  # every step-th slot (the interpreter runs each program's search)
-    seq, seq_len, start, end, n_seq, first = kernels._chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
-                                                                    kernels.MAX_CHUNKS)
-    tl.store(out_ptr + 6 * slot + tl.arange(0, 8), tl.where(tl.arange(0, 8) == 0, seq, tl.where(
-        tl.arange(0, 8) == 1, seq_len, tl.where(tl.arange(0, 8) == 2, start, tl.where(
-            tl.arange(0, 8) == 3, end, tl.where(tl.arange(0, 8) == 4, n_seq, first))))), mask=tl.arange(0, 8) < 6)
+    got = kernels._chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N, kernels.MAX_CHUNKS)
+    e = tl.arange(0, 8)
+    row = tl.zeros([8], tl.int32)
+    for j in tl.static_range(8):
+        row = tl.where(e == j, got[j], row)
+    tl.store(out_ptr + 8 * slot + e, row)
 
 
 @pytest.mark.parametrize("lens,block_n,slots,min_tiles", [
@@ -271,22 +272,25 @@ def _schedule_probe(len_ptr, out_ptr, batch, slots, min_tiles, step, BLOCK_N: tl
 ])
 def test_balanced_schedule(lens, block_n, slots, min_tiles):
     """The balanced schedule (kernels._chunk_of_slot, every few slots) against its plain-Python definition: the
-    smallest chunk size that fits the slots, chunks numbered in sequence order, every key of every sequence in exactly one
-    chunk, spare slots marked by sequence = batch."""
+    smallest chunk size that fits the slots, chunks numbered in sequence order, every key of every sequence in
+    exactly one chunk, spare slots marked by sequence = batch, the merge list (sequences of several chunks)."""
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    out = torch.full((slots * 6 + 2,), -7, dtype=torch.int32)
+    out = torch.full((slots * 8,), -7, dtype=torch.int32)
     step = 1 + slots // 40
     _schedule_probe[(triton.cdiv(slots, step),)](lens_t, out, len(lens), slots, min_tiles, step, BLOCK_N=block_n)
-    got = out[: slots * 6].view(slots, 6).tolist()
+    got = out.view(slots, 8).tolist()
     c, ranges = kernels.split_schedule(lens, block_n, slots, min_tiles)
     assert sum(n for _, n in ranges) <= slots
+    several = [i for i, (_, n) in enumerate(ranges) if n > 1]  # the merge list
     slot = 0
     for i, (first, n) in enumerate(ranges):
         assert first == slot
         for j in range(n):
             start = j * c * block_n
+            listed = several.index(i) if n > 1 else -1
+            want = [i, lens[i], start, min(start + c * block_n, lens[i]), n, first, listed, len(several)]
             if slot % step == 0:
-                assert got[slot] == [i, lens[i], start, min(start + c * block_n, lens[i]), n, first], (slot, got[slot])
+                assert got[slot] == want, (slot, got[slot], want)
             slot += 1
         assert n == 1 or (n - 1) * c * block_n < lens[i] <= n * c * block_n  # the chunks cover the sequence
     assert all(got[s][0] == len(lens) for s in range(slot, slots) if s % step == 0)  # spare slots

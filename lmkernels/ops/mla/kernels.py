@@ -121,7 +121,7 @@ def write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, cache
 def _static_chunk(len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N: tl.constexpr):
     """The static split (decode_config's BALANCED off): sequence slot // num_splits, chunks of chunk_min keys (the
     same for every sequence, from the caller's bound on the context), longer where num_splits of them would not
-    cover it. Returns as _chunk_of_slot."""
+    cover it. Returns as _chunk_of_slot (every sequence listed for the merge, in order)."""
     seq = slot // num_splits
     split = slot % num_splits
     seq_len = tl.load(len_ptr + seq, mask=seq < batch, other=0).to(tl.int32)
@@ -129,16 +129,21 @@ def _static_chunk(len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N: tl.const
     n_seq = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)  # an empty sequence: one chunk, no keys
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    return tl.where(split < n_seq, seq, batch), seq_len, start, end, n_seq, slot - split
+    return tl.where(split < n_seq, seq, batch), seq_len, start, end, n_seq, slot - split, seq, batch
 
 
 @triton.jit
-def _block_tiles(len_ptr, b0, batch, len0, BLOCK_N: tl.constexpr):
-    """(indices, key tiles) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
+def _block_lens(len_ptr, b0, batch, len0):
+    """(indices, lengths) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
     others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache: H100, NOTES, session n)."""
     i = b0 + tl.arange(0, len0.shape[0])
     loaded = tl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(tl.int32)
-    return i, tl.cdiv(tl.where(b0 == 0, len0, loaded), BLOCK_N)
+    return i, tl.where(b0 == 0, len0, loaded)
+
+
+@triton.jit
+def _sum_max_min(s0, x0, n0, s1, x1, n1):
+    return s0 + s1, tl.maximum(x0, x1), tl.minimum(n0, n1)
 
 
 @triton.jit
@@ -148,38 +153,42 @@ def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: tl.constexpr
     program): chunk size c (key tiles) = the smallest c ≥ lo = max(min_tiles, ⌈tiles / slots⌉, ⌈longest /
     MAX_CHUNKS⌉ (what a merge takes)) with Σᵢ max(1, ⌈tilesᵢ / c⌉) ≤ slots; sequence i is cut into
     nᵢ = max(1, ⌈tilesᵢ / c⌉) chunks, numbered in sequence order, and program `slot` takes chunk `slot`. Returns
-    (sequence, its length, keys [start, end), nᵢ, the slot of its first chunk); sequence = batch: a spare slot.
-    A uniform batch needs no search (c = hi = ⌈longest / (slots // batch)⌉, which always fits) and maps slots to
-    sequences in closed form. Otherwise the search keeps c in [lo, hi] and tests K candidates per round (a
-    [SEQ_BLOCK, K] count), each round cutting the range K-fold: SEARCH_ROUNDS rounds find c exactly up to
+    (sequence, its length, keys [start, end), nᵢ, the slot of its first chunk, the sequence's place in the list of
+    sequences to merge (those of several chunks, in order; −1: not listed), that list's length); sequence = batch:
+    a spare slot. A uniform batch (all lengths equal) needs no search (c = hi = ⌈longest / (slots // batch)⌉,
+    which always fits) and maps slots to sequences in closed form. Otherwise the search keeps c in [lo, hi] and
+    tests K candidates per round (a [SEQ_BLOCK, K] count), each round cutting the range K-fold: SEARCH_ROUNDS rounds find c exactly up to
     K^SEARCH_ROUNDS tiles apart (beyond, c = hi is a little larger than it could be, never too small), and a prefix
     sum over the chunk counts finds the slot's sequence. The first SEQ_BLOCK lengths are loaded once and kept in
-    registers (one dependent load, as with no schedule). The loops are written as in kernels_ws._chunk_of_slot, where
-    ptxas spilled the consumer registers for other forms; while loops: the interpreter takes no tensor range()
-    bounds."""
+    registers (one dependent load, as with no schedule). The loops are written as in kernels_ws._chunk_of_slot,
+    where ptxas spilled the consumer registers for other forms; while loops: the interpreter takes no tensor
+    range() bounds."""
     i0 = tl.arange(0, SEQ_BLOCK)
     len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
-    total = 0
-    most = 0
-    least = 1 << 30
+    total = 0  # tiles
+    longest = 0
+    shortest = 1 << 30
     b0 = 0
-    while b0 < batch:
-        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N)
-        total += tl.sum(t, 0)
-        most = tl.maximum(most, tl.max(t, 0))
-        least = tl.minimum(least, tl.min(tl.where(i < batch, t, 1 << 30), 0))
+    while b0 < batch:  # one reduction of three values (each reduction across warps waits on a barrier)
+        i, lens = _block_lens(len_ptr, b0, batch, len0)
+        t_sum, l_max, l_min = tl.reduce((tl.cdiv(lens, BLOCK_N), lens, tl.where(i < batch, lens, 1 << 30)), 0,
+                                        _sum_max_min)
+        total += t_sum
+        longest = tl.maximum(longest, l_max)
+        shortest = tl.minimum(shortest, l_min)
         b0 += SEQ_BLOCK
+    most = tl.cdiv(longest, BLOCK_N)
+    uniform = longest == shortest  # then hi is the answer: no search
     lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
     hi = tl.maximum(lo, tl.cdiv(most, slots // batch))  # ≤ slots // batch chunks each: fits
-    uniform = most == least  # then hi is the answer: no search
     k = tl.arange(0, K)
     n_blocks = tl.cdiv(batch, SEQ_BLOCK)
     count = tl.zeros([K], tl.int32)
     j = 0
     while j < tl.where(uniform, 0, SEARCH_ROUNDS * n_blocks):  # rounds × sequence blocks, one flat loop
         cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # lo first; lo, hi change at a round's end only
-        i, t = _block_tiles(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, BLOCK_N)
-        n = tl.maximum(tl.cdiv(t[:, None], cand[None, :]), 1)
+        i, lens = _block_lens(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0)
+        n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
         count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
         last = j % n_blocks == n_blocks - 1
         first_ok = tl.min(tl.where(count <= slots, k, K), 0)
@@ -193,24 +202,27 @@ def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: tl.constexpr
     n_each = tl.maximum(tl.cdiv(most, hi), 1)
     seq = tl.where(uniform, tl.minimum(slot // n_each, batch), 0)
     first = tl.where(uniform, seq * n_each, 0)
+    merge_idx = seq  # sequences of several chunks before this one (their merge list index)
+    merged = tl.where(uniform & (n_each > 1), batch, 0)
     done = 0
     b0 = 0
     while b0 < tl.where(uniform, 0, batch):
-        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N)
-        n = tl.where(i < batch, tl.maximum(tl.cdiv(t, hi), 1), 0)
+        i, lens = _block_lens(len_ptr, b0, batch, len0)
+        n = tl.where(i < batch, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
         ends = done + tl.cumsum(n, 0)
         before = (i < batch) & (ends <= slot)
         seq += tl.sum(before.to(tl.int32), 0)
         first = tl.maximum(first, tl.max(tl.where(before, ends, 0), 0))
+        merge_idx += tl.sum((before & (n > 1)).to(tl.int32), 0)
+        merged += tl.sum((n > 1).to(tl.int32), 0)
         done += tl.sum(n, 0)
         b0 += SEQ_BLOCK
-    far = (seq >= SEQ_BLOCK) & (seq < batch)  # past the registers' block
-    seq_len = tl.where(far, tl.load(len_ptr + seq, mask=far, other=0).to(tl.int32),
-                       tl.sum(tl.where(i0 == seq, len0, 0), 0))
+    seq_len = tl.where(uniform, longest,  # (a load only where the batch is not uniform)
+                       tl.load(len_ptr + seq, mask=(seq < batch) & ~uniform, other=0).to(tl.int32))
     n_seq = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1)
     start = (slot - first) * hi * BLOCK_N
     end = tl.minimum(start + hi * BLOCK_N, seq_len)
-    return seq, seq_len, start, end, n_seq, first
+    return seq, seq_len, start, end, n_seq, first, tl.where(n_seq > 1, merge_idx, -1), merged
 
 
 @triton.jit
@@ -334,7 +346,8 @@ def _mla_decode_kernel(
     SPLIT (slots > batch): the slot takes the chunk _chunk_of_slot gives it (_static_chunk without BALANCED); a
     sequence of one chunk is written to the
     final output directly, the chunks of a longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr
-    [slots, Q, H] in the slot's row, and each sequence's (first chunk, chunks) to sched_ptr [B, 2] for the merge.
+    [slots, Q, H] in the slot's row, and the list of sequences to merge to sched_ptr: [0] its length, then
+    (sequence, first chunk, chunks) each.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
@@ -349,15 +362,20 @@ def _mla_decode_kernel(
     slot = tl.program_id(1)
     if SPLIT:
         if BALANCED:
-            seq, seq_len, start, end, n_seq, first = _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
-                                                                    MAX_CHUNKS)
+            seq, seq_len, start, end, n_seq, first, listed, merged = _chunk_of_slot(
+                len_ptr, batch, slot, slots, min_tiles, BLOCK_N, MAX_CHUNKS)
         else:
-            seq, seq_len, start, end, n_seq, first = _static_chunk(len_ptr, batch, slot, chunk_min, num_splits,
-                                                                   BLOCK_N)
+            seq, seq_len, start, end, n_seq, first, listed, merged = _static_chunk(
+                len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N)
         if seq >= batch:  # a spare slot
             return
-        if (slot == first) & (m_block == 0):
-            tl.store(sched_ptr + 2 * seq + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, first, n_seq))
+        if m_block == 0:  # the merge list: its length (slot 0 is always a chunk), (sequence, first chunk, chunks)
+            if slot == 0:
+                tl.store(sched_ptr, merged)
+            if (slot == first) & (listed >= 0):
+                e = tl.arange(0, 4)
+                tl.store(sched_ptr + 1 + 3 * listed + e, tl.where(e == 0, seq, tl.where(e == 1, first, n_seq)),
+                         mask=e < 3)
     else:
         seq = slot
         seq_len = tl.load(len_ptr + seq).to(tl.int32)
@@ -526,16 +544,15 @@ def _mla_merge_kernel(
     INTERPRET: tl.constexpr,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
-    chunks (sched_ptr: first chunk, chunks; one chunk: the decode kernel wrote o itself), CHUNK_S partial rows at a
-    time. Column blocks are separate programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16
+    chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks); a sequence of one
+    chunk is not merged, the decode kernel wrote its o), CHUNK_S partial rows at a time. Column blocks are separate
+    programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16
     heads alone would leave the GPU nearly idle."""
-    batch = tl.program_id(0).to(tl.int64)
+    listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
+    if (not listed) | (n < 2):
+        return
     r = tl.program_id(1)
     col = tl.program_id(2)
-    first = tl.load(sched_ptr + 2 * batch).to(tl.int64)
-    n = tl.load(sched_ptr + 2 * batch + 1)
-    if n < 2:
-        return
     s = tl.arange(0, BLOCK_S)
     lbase = pl_ptr + first * rows + r
     lse_s = tl.load(lbase + s * rows, mask=s < n, other=float("-inf"))
@@ -562,39 +579,54 @@ def _mla_merge_kernel(
 
 
 @triton.jit
+def _merge_entry(sched_ptr, entry):
+    """Entry `entry` of the merge list: (listed, sequence, first chunk, chunks). All four loads in one round: an
+    entry past the list's length holds garbage, which the caller does not use."""
+    count = tl.load(sched_ptr)
+    seq = tl.load(sched_ptr + 1 + 3 * entry).to(tl.int64)
+    first = tl.load(sched_ptr + 2 + 3 * entry).to(tl.int64)
+    n = tl.load(sched_ptr + 3 + 3 * entry)
+    return entry < count, seq, first, n
+
+
+@triton.jit
+def _merge_round(m, total, out, po_ptr, pl_ptr, part, ok, KV_LORA: tl.constexpr):
+    """One round of the whole-rows merge: the [ROWS, S] partials `part` folded into (max, sum, output) under the
+    online max."""
+    d = tl.arange(0, KV_LORA)
+    lse_s = tl.load(pl_ptr + part, mask=ok, other=float("-inf"))
+    o_s = tl.load(po_ptr + part[:, :, None] * KV_LORA + d[None, None, :], mask=ok[:, :, None], other=0.0)
+    m_new = tl.maximum(m, tl.max(lse_s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_s - m_safe[:, None])
+    return m_new, total * alpha + tl.sum(w, 1), out * alpha[:, None] + tl.sum(o_s.to(tl.float32) * w[:, :, None], 1)
+
+
+@triton.jit
 def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
                            ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr):
-    """ROWS whole rows (new token × head) of one sequence, S of its chunks' partials at once (all of them in a
-    uniform batch: every load is issued in one round; the one-row kernel walks the chunks in dependent steps),
-    more in further rounds under an online max."""
-    batch = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    first = tl.load(sched_ptr + 2 * batch).to(tl.int64)
-    n = tl.load(sched_ptr + 2 * batch + 1)
-    if n < 2:
+    """ROWS whole rows (new token × head) of one sequence (an entry of the merge list, as _mla_merge_kernel), S of
+    its chunks' partials at once (all of them in a uniform batch: every load is issued in one round; the one-row
+    kernel walks the chunks in dependent steps), more in further rounds under an online max."""
+    listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
+    if (not listed) | (n < 2):
         return
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     s = tl.arange(0, S)
-    d = tl.arange(0, KV_LORA)
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    out = tl.zeros([ROWS, KV_LORA], tl.float32)
-    s0 = 0
-    while s0 < n:
-        ok = row_ok[:, None] & (s0 + s < n)[None, :]
-        part = (first + s0 + s)[None, :] * rows + r[:, None]  # [ROWS, S]
-        lse_s = tl.load(pl_ptr + part, mask=ok, other=float("-inf"))
-        o_s = tl.load(po_ptr + part[:, :, None] * KV_LORA + d[None, None, :], mask=ok[:, :, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse_s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse_s - m_safe[:, None])
-        total = total * alpha + tl.sum(w, 1)
-        out = out * alpha[:, None] + tl.sum(o_s.to(tl.float32) * w[:, :, None], 1)
-        m = m_new
+    m, total, out = _merge_round(m, tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, KV_LORA], tl.float32), po_ptr,
+                                 pl_ptr, (first + s)[None, :] * rows + r[:, None], row_ok[:, None] & (s < n)[None, :],
+                                 KV_LORA)
+    s0 = S
+    while s0 < n:  # more chunks than S (a skewed batch)
+        m, total, out = _merge_round(m, total, out, po_ptr, pl_ptr, (first + s0 + s)[None, :] * rows + r[:, None],
+                                     row_ok[:, None] & (s0 + s < n)[None, :], KV_LORA)
         s0 += S
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     t_safe = tl.where(total == 0.0, 1.0, total)
+    d = tl.arange(0, KV_LORA)
     tl.store(o_ptr + (batch * rows + r)[:, None] * KV_LORA + d[None, :],
              (out / t_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + batch * rows + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
@@ -713,7 +745,8 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
 
 
 def split_schedule(seq_lens, block_n, slots, min_tiles, max_chunks=MAX_SPLITS):
-    """_chunk_of_slot's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles, [(first chunk, chunks)] per sequence)."""
+    """_chunk_of_slot's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles,
+    [(first chunk, chunks)] per sequence)."""
     tiles = [-(-int(n) // block_n) for n in seq_lens]
 
     def fits(c):
@@ -796,7 +829,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if split:
         part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
         part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
-        sched = torch.empty(batch, 2, dtype=torch.int32, device=o.device)
+        sched = torch.empty(1 + 3 * merge_entries(batch, slots), dtype=torch.int32, device=o.device)
     if ws:
         from .kernels_ws import mla_decode_ws
 
@@ -809,31 +842,39 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
             batch, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, slots, min_tiles,
             splits, decode_chunk(max_context, splits, cfg["BLOCK_N"]), SPLIT=split, FP8=fp8, KV_LORA=KV_LORA,
-            ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
+            ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg,
+            **({"launch_pdl": True} if pdl else {}),
         )
     if split and not fused:
         merge_partials(part_o, part_l, sched, o, lse, splits, merge_rows)
     return o, lse
 
 
+def merge_entries(batch: int, slots: int) -> int:
+    """Length bound of the merge list: a sequence of several chunks takes ≥ 2 slots, so at most slots − batch of
+    them (4 for 128 sequences on 132 slots: the merge grid stays that small)."""
+    return max(1, min(batch, slots - batch))
+
+
 def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None):
-    """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences sched [B, 2]
-    (first chunk, chunks) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load where there
-    are many rows and few splits (rows_kernel: force either kernel), else one row (or a column block of it) per
-    program walking its chunks."""
+    """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
+    list sched (the decode kernel's) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load
+    where there are many rows and few splits (rows_kernel: force either kernel), else one row (or a column block of
+    it) per program walking its chunks."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
+    entries = merge_entries(batch, part_o.shape[0])
     few_rows = batch * rows < 2 * sm_count(o.device)
     if rows_kernel is None:
         rows_kernel = MERGE_ROWS and not few_rows and splits <= MERGE_ROWS_SPLITS
     if rows_kernel:
         S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
-        _mla_merge_rows_kernel[(batch, triton.cdiv(rows, rows_per))](
+        _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, num_warps=4)
         return
     block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
-    _mla_merge_kernel[(batch, rows, KV_LORA // block_d)](
+    _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA, BLOCK_D=block_d,
         INTERPRET=interpreting(), num_warps=4,
     )

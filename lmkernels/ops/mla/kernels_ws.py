@@ -42,12 +42,17 @@ SEARCH_ROUNDS = gl.constexpr(4)  # as kernels.SEARCH_ROUNDS
 
 
 @gluon.jit
-def _block_tiles(len_ptr, b0, batch, len0, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """(indices, key tiles) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
+def _block_lens(len_ptr, b0, batch, len0, layout: gl.constexpr):
+    """(indices, lengths) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
     others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache)."""
     i = b0 + gl.arange(0, len0.shape[0], layout=layout)
     loaded = gl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(gl.int32)
-    return i, (gl.where(b0 == 0, gl.convert_layout(len0, layout), loaded) + BLOCK_N - 1) // BLOCK_N
+    return i, gl.where(b0 == 0, gl.convert_layout(len0, layout), loaded)
+
+
+@gluon.jit
+def _sum_max_min(s0, x0, n0, s1, x1, n1):
+    return s0 + s1, gl.maximum(x0, x1), gl.minimum(n0, n1)
 
 
 @gluon.jit
@@ -66,25 +71,29 @@ def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: gl.constexpr
     k_l: gl.constexpr = gl.SliceLayout(0, grid)
     i0 = gl.arange(0, SEQ_BLOCK, layout=seq_l)
     len0 = gl.load(len_ptr + i0, mask=i0 < batch, other=0).to(gl.int32)
-    total = 0
-    most = 0
-    least = 1 << 30
-    for b0 in range(0, batch, SEQ_BLOCK):
-        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N, seq_l)
-        total += gl.reduce(t, 0, _add)
-        most = gl.maximum(most, gl.reduce(t, 0, _maximum))
-        least = gl.minimum(least, gl.reduce(gl.where(i < batch, t, 1 << 30), 0, _minimum))
+    total = 0  # tiles
+    longest = 0
+    shortest = 1 << 30
+    for b0 in range(0, batch, SEQ_BLOCK):  # one reduction of three values (each waits on a barrier across warps)
+        i, lens = _block_lens(len_ptr, b0, batch, len0, seq_l)
+        t_sum, l_max, l_min = gl.reduce(((lens + BLOCK_N - 1) // BLOCK_N, lens, gl.where(i < batch, lens, 1 << 30)),
+                                        0, _sum_max_min)
+        total += t_sum
+        longest = gl.maximum(longest, l_max)
+        shortest = gl.minimum(shortest, l_min)
+    most = (longest + BLOCK_N - 1) // BLOCK_N
     lo = gl.maximum(gl.maximum(min_tiles, (total + slots - 1) // slots),
                     gl.maximum((most + MAX_CHUNKS - 1) // MAX_CHUNKS, 1))
     per_seq = slots // batch
     hi = gl.maximum(lo, (most + per_seq - 1) // per_seq)  # ≤ slots // batch chunks each: fits
-    uniform = most == least  # then hi is the answer: no search
+    uniform = longest == shortest  # then hi is the answer: no search
     k = gl.arange(0, K, layout=k_l)
     n_blocks = (batch + SEQ_BLOCK - 1) // SEQ_BLOCK
     count = gl.zeros([K], gl.int32, layout=k_l)
     for j in range(0, gl.where(uniform, 0, SEARCH_ROUNDS * n_blocks)):
         cand = gl.minimum(lo + (hi - lo + K - 1) // K * k, hi)  # lo first; lo, hi change at a round's end only
-        i, t = _block_tiles(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, BLOCK_N, grid_seq_l)
+        i, lens = _block_lens(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, grid_seq_l)
+        t = (lens + BLOCK_N - 1) // BLOCK_N
         n = gl.maximum((t[:, None] + cand[None, :] - 1) // cand[None, :], 1)
         count += gl.reduce(gl.where((i < batch)[:, None], n, 0), 0, _add)
         last = j % n_blocks == n_blocks - 1
@@ -97,22 +106,26 @@ def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: gl.constexpr
     n_each = gl.maximum((most + hi - 1) // hi, 1)
     seq = gl.where(uniform, gl.minimum(slot // n_each, batch), 0)
     first = gl.where(uniform, seq * n_each, 0)
+    merge_idx = seq
+    merged = gl.where(uniform & (n_each > 1), batch, 0)
     done = 0
     for b0 in range(0, gl.where(uniform, 0, batch), SEQ_BLOCK):
-        i, t = _block_tiles(len_ptr, b0, batch, len0, BLOCK_N, seq_l)
-        n = gl.where(i < batch, gl.maximum((t + hi - 1) // hi, 1), 0)
+        i, lens = _block_lens(len_ptr, b0, batch, len0, seq_l)
+        n = gl.where(i < batch, gl.maximum(((lens + BLOCK_N - 1) // BLOCK_N + hi - 1) // hi, 1), 0)
         ends = done + gl.associative_scan(n, 0, _add)
         before = (i < batch) & (ends <= slot)
         seq += gl.reduce(before.to(gl.int32), 0, _add)
         first = gl.maximum(first, gl.reduce(gl.where(before, ends, 0), 0, _maximum))
+        merge_idx += gl.reduce((before & (n > 1)).to(gl.int32), 0, _add)
+        merged += gl.reduce((n > 1).to(gl.int32), 0, _add)
         done += gl.reduce(n, 0, _add)
-    far = (seq >= SEQ_BLOCK) & (seq < batch)  # past the registers' block
-    seq_len = gl.reduce(gl.where(i0 == seq, len0, 0), 0, _add)
-    seq_len = gl.where(far, gl.load(len_ptr + gl.minimum(seq, batch - 1), mask=far, other=0).to(gl.int32), seq_len)
+    seq_len = gl.where(uniform, longest,  # (a load only where the batch is not uniform)
+                       gl.load(len_ptr + gl.minimum(seq, batch - 1), mask=(seq < batch) & (not uniform),
+                               other=0).to(gl.int32))
     n_seq = gl.maximum(((seq_len + BLOCK_N - 1) // BLOCK_N + hi - 1) // hi, 1)
     start = (slot - first) * hi * BLOCK_N
     end = gl.minimum(start + hi * BLOCK_N, seq_len)
-    return seq, seq_len, start, end, n_seq, first
+    return seq, seq_len, start, end, n_seq, first, gl.where(n_seq > 1, merge_idx, -1), merged
 
 
 @gluon.jit
@@ -414,13 +427,16 @@ def _mla_decode_ws_kernel(
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
     if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk
-        seq, seq_len, start, end, n_seq, first = _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N,
-                                                                MAX_CHUNKS)
+        seq, seq_len, start, end, n_seq, first, listed, merged = _chunk_of_slot(len_ptr, batch, slot, slots,
+                                                                                min_tiles, BLOCK_N, MAX_CHUNKS)
         if seq >= batch:  # a spare slot
             return
-        if (slot == first) & (m_block == 0):
-            gl.store(sched_ptr + 2 * seq, first)
-            gl.store(sched_ptr + 2 * seq + 1, n_seq)
+        # the merge list (slot 0 is always a chunk); masked stores, not branches (ptxas: see _chunk_of_slot)
+        gl.store(sched_ptr, merged, mask=(slot == 0) & (m_block == 0))
+        entry = (slot == first) & (m_block == 0) & (listed >= 0)
+        gl.store(sched_ptr + 1 + 3 * listed, seq, mask=entry)
+        gl.store(sched_ptr + 2 + 3 * listed, first, mask=entry)
+        gl.store(sched_ptr + 3 + 3 * listed, n_seq, mask=entry)
         direct = n_seq == 1
     else:
         seq = slot
@@ -491,8 +507,8 @@ def supported(q, cache):
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                   min_tiles):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
-    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials and sched [B, 2] the chunk ranges for the
-    merge kernel (slots > batch only)."""
+    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials and sched the merge list for the merge
+    kernel (slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     _mla_decode_ws_kernel[(m_blocks, slots)](
