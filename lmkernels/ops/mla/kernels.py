@@ -159,10 +159,10 @@ def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: tl.constexpr
     which always fits) and maps slots to sequences in closed form. Otherwise the search keeps c in [lo, hi] and
     tests K candidates per round (a [SEQ_BLOCK, K] count), each round cutting the range K-fold: SEARCH_ROUNDS
     rounds find c exactly up to K^SEARCH_ROUNDS tiles apart (beyond, c = hi is a little larger than it could be,
-    never too small), and a prefix sum over the chunk counts finds the slot's sequence. The first SEQ_BLOCK lengths are loaded once and kept in
-    registers (one dependent load, as with no schedule). The loops are written as in kernels_ws._chunk_of_slot,
-    where ptxas spilled the consumer registers for other forms; while loops: the interpreter takes no tensor
-    range() bounds."""
+    never too small), and a prefix sum over the chunk counts finds the slot's sequence. The first SEQ_BLOCK lengths
+    are loaded once and kept in registers (one dependent load, as with no schedule). The loops are written as in
+    kernels_ws._chunk_of_slot, where ptxas spilled the consumer registers for other forms; while loops: the
+    interpreter takes no tensor range() bounds."""
     i0 = tl.arange(0, SEQ_BLOCK)
     len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
     total = 0  # tiles
