@@ -165,9 +165,11 @@ def mla_decode(
     latent_cache [num_pages, page_size, 576]: q's dtype, or float8_e4m3fn with cache_scales
     ([num_pages, page_size, 5] float32). block_tables [B, max_pages] int32/int64, seq_lens [B]: each
     sequence's length including its Q new tokens (already written). scale: the softmax scale (DeepSeek:
-    1/sqrt(192) · mscale²). num_splits: split-KV count (1 … 256); None picks it from batch, heads, the SM
-    count and max_seqlen_k (a bound on seq_lens; default the block table's capacity), never from the
-    lengths' values, so CUDA graphs capture the launch. A query with no visible key: o = 0, lse = −inf.
+    1/sqrt(192) · mscale²). num_splits: split-KV programs per sequence (1 … 256); None picks it from batch,
+    heads, the SM count and max_seqlen_k (a bound on seq_lens; default the block table's capacity), never from
+    the lengths' values, so CUDA graphs capture the launch. The kernel then spreads the keys over those programs
+    (and, with None, the spare ones of the last wave) by the lengths, on the device: a long sequence among short
+    ones gets more of them. A query with no visible key: o = 0, lse = −inf.
     o_lat → output: o · W_UVᵀ (the caller's job). Data checks (seq_lens fit the page table, pages in range)
     run for CPU tensors only.
     """

@@ -14,13 +14,16 @@ config HALVES c_kv comes as two [BLOCK_N, 256] tiles, each with its own score do
 Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the cache is 16-bit, full tiles can
 come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
 tile of a split through masked pointer loads.
-Online softmax in base 2, fp32 accumulators. With several splits each program writes a partial (o, lse)
-and they are merged by their log-sum-exp: up to FUSED_MAX_SPLITS splits inside the decode kernel (the last
-split of a sequence to finish, counted by an atomic counter per (sequence, m-block); o partials in the query
-dtype), more by a second kernel (fp32 partials; the Gluon kernel's in the query dtype). Split boundaries: fixed
-chunks (from the caller's bound on the context) of the length read on the device, so the launch depends only on
-shapes (CUDA graphs capture it; no host sync). Where no merge kernel follows (one split, or the in-kernel merge)
-the decode kernel is launched with programmatic dependent launch (PDL). FP8 cache: tiles are dequantised
+Online softmax in base 2, fp32 accumulators. Splits: the grid is m-blocks × slots (from shapes only, so CUDA
+graphs capture it; no host sync), and each program finds its chunk of keys on the device from the lengths
+(_chunk_of_slot): one chunk size for the whole batch, the smallest that fits the slots, so that a long sequence
+in a skewed batch takes the spare slots (in a uniform batch this is decode_num_splits's static split). A sequence
+of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in their
+slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
+splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
+partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
+Gluon kernel's in the query dtype). Where no merge kernel follows the decode kernel is launched with programmatic
+dependent launch (PDL). FP8 cache: tiles are dequantised
 (value · scale of its group) to the query dtype in registers before the dots, the scales loaded once per key and
 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
@@ -683,6 +686,10 @@ def decode_config(rows: int, fp8: bool = False):
     +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i),
     16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
     the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
+    BALANCED off (the Triton kernel at 32 and 64 rows, on Hopper only for FP8 caches): the static split (sequence
+    slot // splits, chunks from max_context, no spare slots): with the balanced split's code these configurations
+    spilled 2–4x more (64 rows FP8: 624–784 bytes of stack against 176) and FP8 128 heads B=32 8k ran 32–38% slower
+    (H100, session n).
     FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
     splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
     (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
