@@ -1,6 +1,7 @@
 """MLA absorbed decode, bf16 latent cache [pages, 64, 576]: B ∈ {1, 32, 128} × context ∈ {1k, 8k, 32k} × heads
 ∈ {16, 128}, one query token, plus two-token (MTP) rows, against SDPA on the materialised equivalent (MQA:
-q [B, H, Q, 576] against one KV head k [B, 1, S, 576], v = its first 512 columns, enable_gqa).
+q [B, H, Q, 576] against one KV head k [B, 1, S, 576], v = its first 512 columns, enable_gqa); then skewed
+batches (one long sequence among short ones, informational: ours against its members run apart).
 
 Rows use the attention suite's schema. Memory-bound rows (heads × query tokens < 128): unit GB/s, bytes =
 latent cache rows read + q read + o written, goal ≥ 85% of the copy bandwidth measured in the same run.
@@ -357,9 +358,99 @@ def decode_case(batch, ctx, heads, n_new):
     return row
 
 
+def _ragged_inputs(lens, heads, dt, dev):
+    """A paged batch of the given lengths (each sequence its own shuffled pages, the table padded with page 0)."""
+    from ...ops.mla import new_latent_cache
+
+    pages = [-(-n // PAGE) for n in lens]
+    cache, _ = new_latent_cache(sum(pages), PAGE, dtype=dt, device=dev)
+    cache.normal_()
+    perm = torch.randperm(sum(pages), device=dev).to(torch.int32)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32, device=dev)
+    start = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q_nope = torch.randn(len(lens), 1, heads, 512, device=dev, dtype=dt) / 512 ** 0.25
+    q_pe = torch.randn(len(lens), 1, heads, 64, device=dev, dtype=dt) / 64 ** 0.25
+    return q_nope, q_pe, cache, tables, lens_t
+
+
+def _ours_ms(lens, heads, dt, dev, nbytes):
+    """ours on a batch of these lengths (max_seqlen_k: its longest): (ms, timing method)."""
+    from ...ops.mla import mla_decode
+
+    n_sets = timing.rotation_count(nbytes, timing.l2_bytes() if dev == "cuda" else timing.DEFAULT_L2)
+    sets = [_ragged_inputs(lens, heads, dt, dev) for _ in range(n_sets)]
+
+    def fn(q_nope, q_pe, cache, tables, lens_t):
+        return mla_decode(q_nope, q_pe, cache, tables, lens_t, scale=SCALE, max_seqlen_k=max(lens))
+
+    fn(*sets[0])  # compiled before the first timed call (_measure times one call first, to choose its method)
+    ms, method = _measure(fn, sets)
+    return ms, method
+
+
+def skewed_case(name, long_len, short_len, n_short, heads):
+    """One long sequence among short ones, one query token: informational (the issue states no goal for it), ours
+    against ours on its members run apart (the long sequence alone, then the short ones as one batch): with
+    splits set by the batch size alone the long sequence got only the short ones' share of programs and such a
+    batch took 3–7x its members' time (NOTES, issue 6, m-9). Checked on the long sequence and one short one."""
+    from ...ops.mla import mla_decode
+
+    dt, dev = _dtype(), _dev()
+    lens = [long_len] + [short_len] * n_short
+    elem = torch.tensor([], dtype=dt).element_size()
+
+    def counts(ls):
+        keys = sum(ls)
+        return keys * 576 * elem + len(ls) * heads * (576 + 512) * elem, heads * keys * (2 * 576 + 2 * 512)
+
+    nbytes, flops = counts(lens)
+    compute = heads >= 128
+    label = f"{name} H={heads} Q=1"
+    base = {"op": "mla_decode", "label": label, "shape": [len(lens), long_len, heads, 1, PAGE], "dtype": "bfloat16",
+            "bytes": nbytes, "flops": flops, "unit": "TFLOP/s" if compute else "GB/s", "peers": [], "pct_copy": None,
+            "best_peer": None, "best_peer_gbps": None, "ratio": None, "goal": {}}
+    q_nope, q_pe, cache, tables, lens_t = _ragged_inputs(lens, heads, dt, dev)
+    o = mla_decode(q_nope, q_pe, cache, tables, lens_t, scale=SCALE, max_seqlen_k=long_len)[0]
+    errs = []
+    for i in (0, 1):
+        dense = cache[tables[i].long()].flatten(0, 1)[None, None, :lens[i]]
+        errs.append(rel_err(o[i:i + 1].float(), _reference(q_nope[i:i + 1], q_pe[i:i + 1], dense, 1)))
+    ours = {"name": "ours", "kind": "ours", "err": max(errs)}
+    if not ours["err"] <= TOL:
+        ours["wrong"] = f"rel err {ours['err']:.2e} > {TOL:.0e}"
+        return {**base, "status": "FAILED", "failure": ours["wrong"], "ours": ours, "note": f"{label}: wrong"}
+    del q_nope, q_pe, cache, tables, o
+    ours["ms"], ours["timing"] = _ours_ms(lens, heads, dt, dev, nbytes)
+    ours["gbps"], ours["tflops"] = gbps(nbytes, ours["ms"]), tflops(flops, ours["ms"])
+    apart = [_ours_ms(ls, heads, dt, dev, counts(ls)[0])[0] for ls in ([long_len], [short_len] * n_short)]
+    row = {**base, "status": "ok", "failure": None, "ours": ours, "members_apart_ms": apart}
+    copy, gemm = _CEIL.get("copy_gbps"), _CEIL.get("gemm_bf16_tflops")
+    if copy:
+        row["pct_copy"] = 100 * ours["gbps"] / copy
+    if gemm:
+        row["pct_gemm"] = 100 * ours["tflops"] / gemm
+    key = "tflops" if compute else "gbps"
+    row["note"] = (f"{label} (a skewed batch): ours {ours['ms'] * 1e3:.1f} µs, {ours[key]:.1f} {base['unit']}; its "
+                   f"members run apart {apart[0] * 1e3:.1f} µs (1 × {long_len}) + {apart[1] * 1e3:.1f} µs "
+                   f"({n_short} × {short_len}): together {sum(apart) / ours['ms']:.2f}x as fast; no goal stated; "
+                   f"timing {ours['timing']}")
+    return row
+
+
+# skewed batches (informational rows): (name, long length, short length, short sequences)
+SKEWED = (("1 x 32k + 31 x 1k", 32768, 1024, 31), ("1 x 8k + 127 x 512", 8192, 512, 127))
+
+
 def cases(quick=False):
     for b, s, h, q in (QUICK if quick else DECODE):
         yield lambda b=b, s=s, h=h, q=q: decode_case(b, s, h, q)
+    for heads in (16, 128):
+        for name, long_len, short_len, n_short in SKEWED[:1] if quick else SKEWED:
+            yield lambda a=(name, long_len, short_len, n_short, heads): skewed_case(*a)
 
 
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:

@@ -740,7 +740,11 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
         return cfg, ws, m_blocks, num_splits, batch * num_splits, 1
     num_sms = sm_count(q_nope.device)
     splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
-    if not balanced:
+    if not balanced or (ws and splits == 1):
+        # the Gluon kernel with one split a sequence (B ≥ 66 at 128 heads: two waves or more, whose programs the
+        # GPU already hands to SMs as they free up) keeps the static split: its schedule code costs ~3.6 µs a
+        # program (both waves: 128 heads B=128 1k 90 → 98 µs, under the 50%-of-GEMM goal), and spare slots help
+        # only an outlier (1 × 8k + 127 × 512: 240 → 111 µs) (H100, NOTES, session n)
         return cfg, ws, m_blocks, splits, batch * splits, 1
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
