@@ -341,3 +341,18 @@ def test_decode_skewed_batch(monkeypatch, heads, n_new):
         torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
         assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
         assert not kernels._counters(o.device, 1).any()
+
+
+def test_gluon_plan_spare_slots(monkeypatch):
+    """The Gluon kernel's launch (as on an H100: 132 SMs) takes spare slots for the balanced split where a sequence
+    gets several splits (128 heads B=32: 64 → 66 slots), and keeps the static split, slots = batch, at one split a
+    sequence (B=128: two waves, where the schedule's own cost outweighed its gain)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda q, cache: True)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    for batch, want_splits, want_slots in ((32, 2, 66), (128, 1, 128)):
+        q = torch.empty(batch, 1, 128, 512, dtype=torch.bfloat16)
+        cfg, ws, m_blocks, splits, slots, _ = kernels.decode_plan(q, cache, False, 1024)
+        assert ws and m_blocks == 2 and "BALANCED" not in cfg
+        assert (splits, slots) == (want_splits, want_slots)

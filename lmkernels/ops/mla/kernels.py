@@ -716,7 +716,8 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     blocks (fewer rows padded) of 64 keys, one program per SM; otherwise the Triton kernel with decode_config's
     tiles. Shapes only (CUDA graphs): the grid is m-blocks × slots, and _chunk_of_slot balances the keys over the slots
     from the lengths on the device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch
-    × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a skewed batch);
+    × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a skewed batch;
+    not where decode_config's BALANCED is off, nor for the Gluon kernel at one split a sequence: static split);
     smallest chunk: the heuristic's chunk (max_context / splits) where keys set the split count, else down to
     min_keys. A uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count,
     splits = wave // batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits;
