@@ -43,6 +43,26 @@ def _check(q_nope, q_pe, cache, scales, tables, seq_lens, tol=2e-3, **kw):
     return o, lse
 
 
+def _nan_past_ends(cache, tables, lens, page):
+    """Every cache row past each sequence's end set to NaN (a tile read without its mask shows)."""
+    for b, n in enumerate(lens):
+        for j in range(n, tables.shape[1] * page):
+            cache[tables[b, j // page], j % page] = float("nan")
+
+
+def _check_two_calls(call, q_nope, q_pe, cache, tables, seq_lens):
+    """Two calls in a row against the reference; the merge counters are back at 0 after each."""
+    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
+    fin = torch.isfinite(want_lse)
+    for _ in range(2):
+        o, lse = call()
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert (o.double() - want).norm() / want.norm() < 2e-3
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
+        assert not kernels._counters(o.device, 1).any()  # every counter back at 0
+
+
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_ragged_pages(page):
     """Different context per sequence, lengths not multiples of the page size, a shuffled page table."""
@@ -169,9 +189,7 @@ def test_decode_tma(keys_major, halves, page):
     pointers), pointer tiles otherwise (16); the stale rows past each sequence's end are NaN, so a tail tile
     read without its mask would show. Splits, two query tokens (causal inside the full tiles)."""
     q_nope, q_pe, cache, _, tables, seq_lens = _setup([200, 64, 1, 97], heads=16, n_new=2, page=page)
-    for b, n in enumerate(seq_lens.tolist()):  # poison every cache row past the sequence's end
-        for j in range(n, tables.shape[1] * page):
-            cache[tables[b, j // page], j % page] = float("nan")
+    _nan_past_ends(cache, tables, seq_lens.tolist(), page)
     for splits in (1, 3):
         cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=keys_major, TMA=True, HALVES=halves)
         o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 200, config=cfg)
@@ -208,19 +226,10 @@ def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
     calls in a row."""
     monkeypatch.setattr(torch, "empty", nan_empty)
     q_nope, q_pe, cache, _, tables, seq_lens = _setup([130, 7, 0, 64, 33], heads=16, n_new=2, page=16)
-    for b, n in enumerate(seq_lens.tolist()):
-        for j in range(n, tables.shape[1] * 16):
-            cache[tables[b, j // 16], j % 16] = float("nan")
+    _nan_past_ends(cache, tables, seq_lens.tolist(), 16)
     cfg = dict(kernels.decode_config(32), FUSED_MERGE=fused, MERGE_ROWS=merge_rows)
-    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
-    fin = torch.isfinite(want_lse)
-    for _ in range(2):
-        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 130, config=cfg)
-        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-        assert (o.double() - want).norm() / want.norm() < 2e-3
-        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
-        assert not kernels._counters(o.device, 1).any()  # every counter back at 0
+    _check_two_calls(lambda: kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, splits, 130,
+                                                config=cfg), q_nope, q_pe, cache, tables, seq_lens)
 
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
@@ -324,23 +333,14 @@ def test_decode_skewed_batch(monkeypatch, heads, n_new):
     monkeypatch.setattr(torch, "empty", nan_empty)
     lens = [600, 3, 17, 0, 45]
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
-    for b, n in enumerate(lens):
-        for j in range(n, tables.shape[1] * 64):
-            cache[tables[b, j // 64], j % 64] = float("nan")
+    _nan_past_ends(cache, tables, lens, 64)
     cfg = dict(kernels.decode_config(heads * n_new), BALANCED=True)
     _, _, _, splits, slots, min_tiles = kernels.decode_plan(q_nope, cache, False, 600, config=cfg)
     _, ranges = kernels.split_schedule(lens, cfg["BLOCK_N"], slots, min_tiles)
     assert splits == 1 and slots == (6 if heads * n_new > 32 else 8)
     assert ranges[0][1] > 1 and all(n == 1 for _, n in ranges[1:])
-    want, want_lse = reference.mla_decode(q_nope, q_pe, cache, tables, seq_lens, SCALE)
-    fin = torch.isfinite(want_lse)
-    for _ in range(2):
-        o, lse = kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, None, 600, config=cfg)
-        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-        assert (o.double() - want).norm() / want.norm() < 2e-3
-        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-4)
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and (o[~fin] == 0).all()
-        assert not kernels._counters(o.device, 1).any()
+    _check_two_calls(lambda: kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, None, 600,
+                                                config=cfg), q_nope, q_pe, cache, tables, seq_lens)
 
 
 def test_gluon_plan_spare_slots(monkeypatch):

@@ -22,6 +22,7 @@ def dry_run(monkeypatch):
     monkeypatch.setattr(timing, "rotation_count", lambda *a, **k: 2)
     monkeypatch.setattr(suite, "PAGE", 16)
     monkeypatch.setattr(suite, "QUICK", ((1, 40, 4, 1), (2, 33, 8, 2), (2, 20, 128, 1)))
+    monkeypatch.setattr(suite, "QUICK_SKEWED", (("1 x 70 + 2 x 20", 70, 20, 2),))
 
 
 def test_mla_suite_registered():
@@ -32,8 +33,13 @@ def test_mla_suite_dry_run(dry_run):
     result = {"suite": "mla", "ceilings": {"copy_gbps": 3000.0, "gemm_bf16_tflops": 700.0}, "rows": []}
     saves = []
     suite.run(result, quick=True, save=lambda: saves.append(len(result["rows"])))
-    rows = result["rows"]
-    assert saves == [1, 2, 3]
+    rows, skewed = result["rows"][:3], result["rows"][3:]
+    assert saves == [1, 2, 3, 4, 5]
+    for row in skewed:  # informational: no goal, no peer, ours against ours on the members run apart
+        assert row["status"] == "ok", row
+        assert row["ours"]["err"] < 1e-2 and row["goal"] == {} and row["peers"] == []
+        assert len(row["members_apart_ms"]) == 2 and "members run apart" in row["note"]
+    assert [r["unit"] for r in skewed] == ["GB/s", "TFLOP/s"] and skewed[1]["pct_gemm"] > 0
     for row in rows:
         assert row["status"] == "ok", row
         assert row["ours"]["err"] < 1e-2 and row["ours"]["gbps"] > 0 and row["note"]
@@ -68,6 +74,7 @@ def _flex_dry(monkeypatch, fail_first):
     monkeypatch.setattr(suite, "flex_fn", fake_flex_fn)
     monkeypatch.setattr(suite, "_flex_wanted", lambda *a: True)
     monkeypatch.setattr(suite, "QUICK", ((2, 33, 8, 2),))
+    monkeypatch.setattr(suite, "QUICK_SKEWED", ())
     return calls
 
 

@@ -441,15 +441,16 @@ def skewed_case(name, long_len, short_len, n_short, heads):
     return row
 
 
-# skewed batches (informational rows): (name, long length, short length, short sequences)
+# skewed batches (informational rows, 16 and 128 heads each): (name, long length, short length, short sequences)
 SKEWED = (("1 x 32k + 31 x 1k", 32768, 1024, 31), ("1 x 8k + 127 x 512", 8192, 512, 127))
+QUICK_SKEWED = SKEWED[:1]
 
 
 def cases(quick=False):
     for b, s, h, q in (QUICK if quick else DECODE):
         yield lambda b=b, s=s, h=h, q=q: decode_case(b, s, h, q)
     for heads in (16, 128):
-        for name, long_len, short_len, n_short in SKEWED[:1] if quick else SKEWED:
+        for name, long_len, short_len, n_short in (QUICK_SKEWED if quick else SKEWED):
             yield lambda a=(name, long_len, short_len, n_short, heads): skewed_case(*a)
 
 

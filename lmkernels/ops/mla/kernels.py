@@ -23,9 +23,8 @@ slot's row, merged by their log-sum-exp: inside the decode kernel where the heur
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
 partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
 Gluon kernel's in the query dtype). Where no merge kernel follows the decode kernel is launched with programmatic
-dependent launch (PDL). FP8 cache: tiles are dequantised
-(value · scale of its group) to the query dtype in registers before the dots, the scales loaded once per key and
-128-value group.
+dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query dtype in
+registers before the dots, the scales loaded once per key and 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
 kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
 kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
