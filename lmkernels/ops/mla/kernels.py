@@ -548,8 +548,8 @@ def _mla_merge_kernel(
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
     chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks); a sequence of one
     chunk is not merged, the decode kernel wrote its o), CHUNK_S partial rows at a time. Column blocks are separate
-    programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16
-    heads alone would leave the GPU nearly idle."""
+    programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16 heads alone would leave the GPU
+    nearly idle."""
     listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
     if (not listed) | (n < 2):
         return
