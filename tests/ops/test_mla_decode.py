@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from lmkernels.ops.mla import kernels, kernels_ws, mla_decode, reference
+from lmkernels.ops.mla import kernels, kernels_ws, mla_decode, mla_decode_schedule, reference, schedule
 from tests.helpers import compile_in_fresh_process, nan_empty
 
 SCALE = 192 ** -0.5
@@ -210,9 +208,11 @@ def test_decode_fake_shapes():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         q_nope, q_pe, cache, scales, tables, seq_lens = fake
-        o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32)
+        o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32, None)
+        table = api._schedule_op(seq_lens, 32, 9, 1)
     assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
+    assert table.shape == (schedule.schedule_size(2, 9),) and table.dtype == torch.int32
 
 
 @pytest.mark.parametrize("fused,merge_rows", [(True, None), (False, True), (False, False)])
@@ -251,22 +251,10 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     tiles."""
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
     assert not kernels.decode_config(16).get("WS") and not kernels.decode_config(128, fp8=True).get("WS")
-    q = torch.zeros(1, 1, 128, 512, dtype=torch.bfloat16)
-    assert not kernels_ws.supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
-    assert not kernels._ws_supported(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16))
-    cfg, ws, m_blocks, *_ = kernels.decode_plan(q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), False, 8192)
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache)
+    cfg, ws, m_blocks, *_ = kernels.decode_plan((1, 1, 128), cache, 8192)
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
-
-
-@triton.jit
-def _schedule_probe(len_ptr, out_ptr, batch, slots, min_tiles, step, BLOCK_N: tl.constexpr):
-    slot = tl.program_id(0) * step  # every step-th slot (the interpreter runs each program's search)
-    got = kernels._chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N, kernels.MAX_CHUNKS)
-    e = tl.arange(0, 8)
-    row = tl.zeros([8], tl.int32)
-    for j in tl.static_range(8):
-        row = tl.where(e == j, got[j], row)
-    tl.store(out_ptr + 8 * slot + e, row)
 
 
 @pytest.mark.parametrize("lens,block_n,slots,min_tiles", [
@@ -275,34 +263,32 @@ def _schedule_probe(len_ptr, out_ptr, batch, slots, min_tiles, step, BLOCK_N: tl
     ([1024] * 32, 32, 132, 8),  # uniform: 4 chunks each, as the static split gave
     ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1),  # empty and one-key sequences: one chunk each
     ([37], 16, 7, 1),
-    ([5000 + 997 * i % 4099 for i in range(150)], 64, 170, 4),  # more sequences than one SEQ_BLOCK
-    ([70000, 3], 16, 4, 1),  # the search's widest range (4375 tiles)
+    ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4),  # more sequences than one SEQ_BLOCK
+    ([70000, 3], 16, 4, 1),  # a wide search range (4375 tiles)
     ([300000, 10], 16, 300, 1),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
+    ([1 << 24, 1 << 20, 3], 1, 4, 1),  # a 12M-tile search range (6 rounds): c = 8M
 ])
-def test_balanced_schedule(lens, block_n, slots, min_tiles):
-    """The balanced schedule (kernels._chunk_of_slot, every few slots) against its plain-Python definition: the
-    smallest chunk size that fits the slots, chunks numbered in sequence order, every key of every sequence in
-    exactly one chunk, spare slots marked by sequence = batch, the merge list (sequences of several chunks)."""
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    out = torch.full((slots * 8,), -7, dtype=torch.int32)
-    step = 1 + slots // 40
-    _schedule_probe[(triton.cdiv(slots, step),)](lens_t, out, len(lens), slots, min_tiles, step, BLOCK_N=block_n)
-    got = out.view(slots, 8).tolist()
-    c, ranges = kernels.split_schedule(lens, block_n, slots, min_tiles)
-    assert sum(n for _, n in ranges) <= slots
-    several = [i for i, (_, n) in enumerate(ranges) if n > 1]  # the merge list
+def test_schedule(monkeypatch, lens, block_n, slots, min_tiles):
+    """The schedule kernel's table (every slot) and merge list against the plain-Python definition
+    (schedule.split_schedule): the smallest chunk size that fits the slots, chunks numbered in sequence order,
+    every key of every sequence in exactly one chunk, spare slots marked −1, the sequences of several chunks
+    listed in order. The table starts as garbage (torch.empty poisoned)."""
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles)
+    rows = sched[:schedule.ROW * slots].view(slots, schedule.ROW).tolist()
+    merge = sched[schedule.ROW * slots:].tolist()
+    c, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles)
+    several = [(i, first, n) for i, (first, n) in enumerate(ranges) if n > 1]
+    assert merge[0] == len(several) and merge[1:1 + 3 * len(several)] == [v for e in several for v in e]
     slot = 0
     for i, (first, n) in enumerate(ranges):
         assert first == slot
         for j in range(n):
             start = j * c * block_n
-            listed = several.index(i) if n > 1 else -1
-            want = [i, lens[i], start, min(start + c * block_n, lens[i]), n, first, listed, len(several)]
-            if slot % step == 0:
-                assert got[slot] == want, (slot, got[slot], want)
+            assert rows[slot] == [i, lens[i], start, min(start + c * block_n, lens[i]), n, first], slot
             slot += 1
         assert n == 1 or (n - 1) * c * block_n < lens[i] <= n * c * block_n  # the chunks cover the sequence
-    assert all(got[s][0] == len(lens) for s in range(slot, slots) if s % step == 0)  # spare slots
+    assert all(rows[s][0] == -1 for s in range(slot, slots))  # spare slots
 
 
 def test_uniform_batches_keep_the_heuristic_splits(monkeypatch):
@@ -313,46 +299,65 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch):
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
             for ctx in (1, 100, 300, 1000, 1024, 8000, 8192, 32768, 131072):
-                q = torch.empty(batch, n_new, heads, 512, dtype=torch.bfloat16)
-                cfg, _, _, splits, slots, min_tiles = kernels.decode_plan(q, cache, False, ctx)
+                cfg, _, _, splits, slots, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
                 block_n = cfg["BLOCK_N"]
                 chunk = -(-(-(-ctx // splits)) // block_n) * block_n  # the static split's chunk (keys)
-                c, ranges = kernels.split_schedule([ctx] * batch, block_n, slots, min_tiles)
+                c, ranges = schedule.split_schedule([ctx] * batch, block_n, slots, min_tiles)
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
 
 
 @pytest.mark.parametrize("heads,n_new", [(16, 1), (16, 2), (128, 1)])
 def test_decode_skewed_batch(monkeypatch, heads, n_new):
     """The default launch on a skewed batch (a 4-SM GPU: one split each, slots rounded up to whole waves, 8 for 5
-    sequences, 6 at two m-blocks): the long sequence takes the spare slots (several chunks, merged), the others
-    one chunk each, written without a merge; an empty sequence; outputs and partials NaN-poisoned, cache rows past
-    each end NaN; twice in a row (the merge counters are reset). 128 heads: the Triton kernel's 64-row tiles with
-    the balanced split forced on (on Hopper the Gluon kernel balances these rows; the Triton kernel keeps the static
-    split at 32 and 64 rows, see decode_config)."""
+    sequences, 6 at two m-blocks), with the step's schedule made once and used by two calls: the long sequence
+    takes the spare slots (several chunks, merged), the others one chunk each, written without a merge; an empty
+    sequence; outputs, partials and the schedule NaN-poisoned, cache rows past each end NaN; the merge counters
+    are reset after each call."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
     monkeypatch.setattr(torch, "empty", nan_empty)
     lens = [600, 3, 17, 0, 45]
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
     _nan_past_ends(cache, tables, lens, 64)
-    cfg = dict(kernels.decode_config(heads * n_new), BALANCED=True)
-    _, _, _, splits, slots, min_tiles = kernels.decode_plan(q_nope, cache, False, 600, config=cfg)
-    _, ranges = kernels.split_schedule(lens, cfg["BLOCK_N"], slots, min_tiles)
-    assert splits == 1 and slots == (6 if heads * n_new > 32 else 8)
+    sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=600)
+    batch, block_n, slots, min_tiles = sched.plan
+    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles)
+    assert slots == (6 if heads * n_new > 32 else 8)
     assert ranges[0][1] > 1 and all(n == 1 for _, n in ranges[1:])
-    _check_two_calls(lambda: kernels.mla_decode(q_nope, q_pe, cache, None, tables, seq_lens, SCALE, None, 600,
-                                                config=cfg), q_nope, q_pe, cache, tables, seq_lens)
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=600,
+                                        schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
+
+
+def test_decode_schedule_checks():
+    """A schedule serves only calls of its own plan (a clear error otherwise, before any launch); one program per
+    sequence needs no table; the reference path (CPU without the interpreter) ignores it."""
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup([70, 33], heads=16, n_new=1, page=16)
+    sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=16, max_seqlen_k=80)
+    assert sched.table is not None and sched.plan[0] == 2
+    with pytest.raises(ValueError, match="schedule was made for"):
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=4000, schedule=sched)
+    with pytest.raises(ValueError, match="schedule was made for"):
+        mla_decode(q_nope.repeat(1, 1, 8, 1), q_pe.repeat(1, 1, 8, 1), cache, tables, seq_lens, scale=SCALE,
+                   max_seqlen_k=80, schedule=sched)
+    with pytest.raises(TypeError, match="schedule"):
+        mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=80, schedule=sched.table)
+    with pytest.raises(ValueError, match="num_heads"):
+        mla_decode_schedule(cache, tables, seq_lens, num_heads=0)
+    with pytest.raises(TypeError, match="seq_lens"):
+        mla_decode_schedule(cache, tables, seq_lens.float(), num_heads=16)
+    one = mla_decode_schedule(cache, tables, seq_lens, num_heads=16, num_splits=1)
+    assert one.table is None
+    _check(q_nope, q_pe, cache, None, tables, seq_lens, num_splits=1, schedule=one)
+    _check(q_nope, q_pe, cache, None, tables, seq_lens, max_seqlen_k=80, schedule=sched)
 
 
 def test_gluon_plan_spare_slots(monkeypatch):
-    """The Gluon kernel's launch (as on an H100: 132 SMs) takes spare slots for the balanced split where a sequence
-    gets several splits (128 heads B=32: 64 → 66 slots), and keeps the static split, slots = batch, at one split a
-    sequence (B=128: two waves, where the schedule's own cost outweighed its gain)."""
+    """The Gluon kernel's launch (as on an H100: 132 SMs) rounds the slots up to whole waves of 66 programs (two
+    m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda q, cache: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
-    for batch, want_splits, want_slots in ((32, 2, 66), (128, 1, 128)):
-        q = torch.empty(batch, 1, 128, 512, dtype=torch.bfloat16)
-        cfg, ws, m_blocks, splits, slots, _ = kernels.decode_plan(q, cache, False, 1024)
-        assert ws and m_blocks == 2 and "BALANCED" not in cfg
+    for batch, want_splits, want_slots in ((32, 2, 66), (128, 1, 132)):
+        cfg, ws, m_blocks, splits, slots, _ = kernels.decode_plan((batch, 1, 128), cache, 1024)
+        assert ws and m_blocks == 2
         assert (splits, slots) == (want_splits, want_slots)

@@ -319,7 +319,7 @@ def decode_case(batch, ctx, heads, n_new):
     if _flex_wanted(batch, ctx, heads, n_new, dev):
         peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
-    cfg, ws, m_blocks, splits, *_ = kernels.decode_plan(q_nope, cache, False, ctx)
+    cfg, ws, m_blocks, splits, *_ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
     if ws:
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:

@@ -3,8 +3,9 @@ store (bf16 or FP8 e4m3 with a scale per 128 values), absorbed paged decode (MQA
 dim 512, all heads in one tile, split-KV + LSE merge, MTP query tokens), the prefill path through the
 attention family's kernel, and a DeepSeek-V3 attention layer (layer.py). Math in reference.py."""
 
-from .api import mla_decode, new_latent_cache, write_latent_cache
+from .api import MLADecodeSchedule, mla_decode, mla_decode_schedule, new_latent_cache, write_latent_cache
 from .layer import DeepseekV3MLA
 from .prefill import mla_prefill
 
-__all__ = ["DeepseekV3MLA", "mla_decode", "mla_prefill", "new_latent_cache", "write_latent_cache"]
+__all__ = ["DeepseekV3MLA", "MLADecodeSchedule", "mla_decode", "mla_decode_schedule", "mla_prefill", "new_latent_cache",
+           "write_latent_cache"]

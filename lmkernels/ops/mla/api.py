@@ -2,6 +2,7 @@
 (or on CPU under TRITON_INTERPRET=1) and the float64 references otherwise. Math and layouts: reference.py."""
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -128,7 +129,8 @@ def write_latent_cache(
 # absorbed decode
 
 
-def _decode_run(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context):
+def _decode_run(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context,
+                schedule):
     check_block_tables(block_tables, seq_lens, latent_cache.shape[1], latent_cache.shape[0])
     if not use_triton(q_nope):
         o, lse = reference.mla_decode(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cache_scales)
@@ -136,26 +138,101 @@ def _decode_run(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens
     from . import kernels
 
     return kernels.mla_decode(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale,
-                              num_splits or None, max_context)
+                              num_splits or None, max_context, schedule=schedule)
 
 
 @torch.library.custom_op("lmkernels::mla_decode", mutates_args=())
 def _decode_op(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                cache_scales: Optional[torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, num_splits: int, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, num_splits: int, max_context: int,
+               schedule: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return _decode_run(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits,
-                       max_context)
+                       max_context, schedule)
 
 
 @_decode_op.register_fake
-def _(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context):
+def _(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context, schedule):
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lmkernels::mla_decode_schedule", mutates_args=())
+def _schedule_op(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int) -> torch.Tensor:
+    from .schedule import build_schedule
+
+    return build_schedule(seq_lens, block_n, slots, min_tiles)
+
+
+@_schedule_op.register_fake
+def _(seq_lens, block_n, slots, min_tiles):
+    from .schedule import schedule_size
+
+    return seq_lens.new_empty(schedule_size(seq_lens.shape[0], slots), dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class MLADecodeSchedule:
+    """Which keys of which sequence each decode program takes in one decode step (mla_decode_schedule). plan:
+    (batch, key tile, programs per m-block, smallest chunk), what the table was made for; table: int32 on the
+    device, None where the plan gives one program per sequence or the reference runs (nothing to schedule)."""
+    plan: tuple
+    table: Optional[torch.Tensor]
+
+
+def _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits):
+    from . import kernels
+
+    cfg, _, _, _, slots, min_tiles = kernels.decode_plan((batch, n_new, heads), latent_cache, max_seqlen_k,
+                                                         num_splits)
+    return batch, cfg["BLOCK_N"], slots, min_tiles
+
+
+def _check_decode_shapes(latent_cache, cache_scales, block_tables, seq_lens, batch, num_splits, max_seqlen_k):
+    """Checks mla_decode and mla_decode_schedule share; returns max_seqlen_k (default: the page table's capacity)."""
+    _check_cache(latent_cache, cache_scales)
+    check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have one row per sequence ({batch}), got shape {tuple(block_tables.shape)}")
+    if block_tables.numel() and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got strides {block_tables.stride()}")
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch,))
+    if num_splits is not None:
+        _int_like("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
+    if max_seqlen_k is None:
+        max_seqlen_k = block_tables.shape[1] * latent_cache.shape[1]
+    _int_like("max_seqlen_k", max_seqlen_k, minimum=0)
+    return max_seqlen_k
+
+
+def mla_decode_schedule(
+    latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, num_heads: int,
+    q_per_seq: int = 1, num_splits: Optional[int] = None, cache_scales: Optional[torch.Tensor] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> MLADecodeSchedule:
+    """The split-KV schedule of one decode step, for mla_decode(..., schedule=): computed once per step on the
+    device (one small kernel, no host sync) and shared by every layer whose call has the same shapes and lengths,
+    instead of each call computing it again. The arguments are those of the mla_decode calls it serves (num_heads,
+    q_per_seq: the queries' heads and tokens per sequence); the table holds the values of seq_lens as they are
+    when this runs, so make it again whenever the lengths change (inside a CUDA graph: capture this call too)."""
+    for name, v in (("num_heads", num_heads), ("q_per_seq", q_per_seq)):
+        _int_like(name, v, minimum=1)
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
+    max_seqlen_k = _check_decode_shapes(latent_cache, cache_scales, block_tables, seq_lens, seq_lens.shape[0],
+                                        num_splits, max_seqlen_k)
+    check_same_device(latent_cache=latent_cache, cache_scales=cache_scales, block_tables=block_tables,
+                      seq_lens=seq_lens)
+    if not use_triton(seq_lens):
+        return MLADecodeSchedule(None, None)
+    plan = _schedule_plan(seq_lens.shape[0], q_per_seq, num_heads, latent_cache, max_seqlen_k, num_splits)
+    batch, block_n, slots, min_tiles = plan
+    table = _schedule_op(seq_lens, block_n, slots, min_tiles) if slots > batch else None
+    return MLADecodeSchedule(plan, table)
 
 
 def mla_decode(
     q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, *, scale: float, num_splits: Optional[int] = None,
     cache_scales: Optional[torch.Tensor] = None, max_seqlen_k: Optional[int] = None,
+    schedule: Optional[MLADecodeSchedule] = None,
 ):
     """Absorbed MLA decode over the paged latent cache → (o [B, Q, H, 512] in q's dtype, lse fp32 [B, Q, H]).
 
@@ -169,7 +246,9 @@ def mla_decode(
     heads, the SM count and max_seqlen_k (a bound on seq_lens; default the block table's capacity), never from
     the lengths' values, so CUDA graphs capture the launch. The kernel then spreads the keys over those programs
     (and, with None, the spare ones of the last wave) by the lengths, on the device: a long sequence among short
-    ones gets more of them. A query with no visible key: o = 0, lse = −inf.
+    ones gets more of them. That schedule costs a small kernel per call; a decode step's layers share one from
+    mla_decode_schedule (same shapes, max_seqlen_k and num_splits; a schedule made for another plan is an error).
+    A query with no visible key: o = 0, lse = −inf.
     o_lat → output: o · W_UVᵀ (the caller's job). Data checks (seq_lens fit the page table, pages in range)
     run for CPU tensors only.
     """
@@ -178,28 +257,30 @@ def mla_decode(
     if width != KV_LORA_RANK:
         raise ValueError(f"q_nope_absorbed must be [batch, q_per_seq, heads, {KV_LORA_RANK}], got last dim {width}")
     check_tensor("q_pe", q_pe, dtypes=(q_nope_absorbed.dtype,), shape=(batch, n_new, heads, ROPE_DIM))
-    _check_cache(latent_cache, cache_scales)
+    max_seqlen_k = _check_decode_shapes(latent_cache, cache_scales, block_tables, seq_lens, batch, num_splits,
+                                        max_seqlen_k)
     if latent_cache.dtype not in (q_nope_absorbed.dtype, FP8_DTYPE):
         raise TypeError(f"latent_cache must have the queries' dtype ({q_nope_absorbed.dtype}) or be float8_e4m3fn, "
                         f"got {latent_cache.dtype}")
     if use_triton(q_nope_absorbed) and q_nope_absorbed.dtype == torch.float32:
         raise TypeError("q_nope_absorbed must be float16 or bfloat16 for the Triton kernel, got float32")
-    check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must have one row per sequence ({batch}), got shape {tuple(block_tables.shape)}")
-    if block_tables.numel() and block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be contiguous in its last dimension, got strides {block_tables.stride()}")
-    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch,))
     check_same_device(q_nope_absorbed=q_nope_absorbed, q_pe=q_pe, latent_cache=latent_cache,
                       cache_scales=cache_scales, block_tables=block_tables, seq_lens=seq_lens)
     check_unit_stride("q_nope_absorbed", q_nope_absorbed)
     check_unit_stride("q_pe", q_pe)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if num_splits is not None:
-        _int_like("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
-    if max_seqlen_k is None:
-        max_seqlen_k = block_tables.shape[1] * latent_cache.shape[1]
-    _int_like("max_seqlen_k", max_seqlen_k, minimum=0)
+    table = None
+    if schedule is not None:
+        if not isinstance(schedule, MLADecodeSchedule):
+            raise TypeError(f"schedule must come from mla_decode_schedule, got {type(schedule).__name__}")
+        if use_triton(q_nope_absorbed):
+            plan = _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits)
+            if schedule.plan != plan:
+                raise ValueError(f"schedule was made for (batch, key tile, programs, smallest chunk) = "
+                                 f"{schedule.plan}, this call needs {plan}: make it with this call's shapes, "
+                                 f"max_seqlen_k and num_splits")
+            table = schedule.table
+            check_same_device(q_nope_absorbed=q_nope_absorbed, schedule=table)
     return _decode_op(q_nope_absorbed, q_pe, latent_cache, cache_scales, block_tables, seq_lens, float(scale),
-                      0 if num_splits is None else int(num_splits), int(max_seqlen_k))
+                      0 if num_splits is None else int(num_splits), int(max_seqlen_k), table)

@@ -34,7 +34,8 @@ def ws(split=True, dtype="bf16"):
     types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
                  qk_scale="fp32")
-    ce = dict(SPLIT=split, MAX_CHUNKS=W.MAX_CHUNKS, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, CONSUMER_REGS=W.CONSUMER_REGS)
+    ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
+              CONSUMER_REGS=W.CONSUMER_REGS)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
@@ -60,6 +61,10 @@ def main(argv=None):
     mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
     mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=K.MERGE_CHUNK_S, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, INTERPRET=False)
     _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
+    from . import schedule as S
+
+    sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES, J=S.CHUNK_BLOCK)
+    _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce, 4, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

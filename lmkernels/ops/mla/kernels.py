@@ -15,9 +15,10 @@ Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the c
 come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
 tile of a split through masked pointer loads.
 Online softmax in base 2, fp32 accumulators. Splits: the grid is m-blocks × slots (from shapes only, so CUDA
-graphs capture it; no host sync), and each program finds its chunk of keys on the device from the lengths
-(_chunk_of_slot): one chunk size for the whole batch, the smallest that fits the slots, so that a long sequence
-in a skewed batch takes the spare slots (in a uniform batch this is decode_num_splits's static split). A sequence
+graphs capture it; no host sync), and each program reads its chunk of keys from its row of the step's schedule
+(schedule.py, computed on the device from the lengths, once per step: one chunk size for the whole batch, the
+smallest that fits the slots, so that a long sequence in a skewed batch takes the spare slots; in a uniform batch
+this is decode_num_splits's static split). A sequence
 of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in their
 slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
+from .schedule import MAX_CHUNKS, SCHEDULE_ROW, build_schedule, merge_entries, schedule_size
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -117,114 +119,6 @@ def write_latent_cache(kv, weight, cos_sin_cache, positions, slot_mapping, cache
 
 # ---------------------------------------------------------------------------------------------------
 # absorbed paged decode
-
-
-@triton.jit
-def _static_chunk(len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N: tl.constexpr):
-    """The static split (decode_config's BALANCED off): sequence slot // num_splits, chunks of chunk_min keys (the
-    same for every sequence, from the caller's bound on the context), longer where num_splits of them would not
-    cover it. Returns as _chunk_of_slot (every sequence listed for the merge, in order)."""
-    seq = slot // num_splits
-    split = slot % num_splits
-    seq_len = tl.load(len_ptr + seq, mask=seq < batch, other=0).to(tl.int32)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, chunk_min)
-    n_seq = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)  # an empty sequence: one chunk, no keys
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    return tl.where(split < n_seq, seq, batch), seq_len, start, end, n_seq, slot - split, seq, batch
-
-
-@triton.jit
-def _block_lens(len_ptr, b0, batch, len0):
-    """(indices, lengths) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
-    others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache: H100, NOTES, session n)."""
-    i = b0 + tl.arange(0, len0.shape[0])
-    loaded = tl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(tl.int32)
-    return i, tl.where(b0 == 0, len0, loaded)
-
-
-@triton.jit
-def _sum_max_min(s0, x0, n0, s1, x1, n1):
-    return s0 + s1, tl.maximum(x0, x1), tl.minimum(n0, n1)
-
-
-@triton.jit
-def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                   SEQ_BLOCK: tl.constexpr = 128, K: tl.constexpr = 16):
-    """The keys of program `slot` under the balanced split of the batch, from the lengths (the same on every
-    program): chunk size c (key tiles) = the smallest c ≥ lo = max(min_tiles, ⌈tiles / slots⌉, ⌈longest /
-    MAX_CHUNKS⌉ (what a merge takes)) with Σᵢ max(1, ⌈tilesᵢ / c⌉) ≤ slots; sequence i is cut into
-    nᵢ = max(1, ⌈tilesᵢ / c⌉) chunks, numbered in sequence order, and program `slot` takes chunk `slot`. Returns
-    (sequence, its length, keys [start, end), nᵢ, the slot of its first chunk, the sequence's place in the list of
-    sequences to merge (those of several chunks, in order; −1: not listed), that list's length); sequence = batch:
-    a spare slot. A uniform batch (all lengths equal) needs no search (c = hi = ⌈longest / (slots // batch)⌉,
-    which always fits) and maps slots to sequences in closed form. Otherwise the search keeps c in [lo, hi] and
-    tests K candidates per round (a [SEQ_BLOCK, K] count), each round cutting the range K-fold: SEARCH_ROUNDS
-    rounds find c exactly up to K^SEARCH_ROUNDS tiles apart (beyond, c = hi is a little larger than it could be,
-    never too small), and a prefix sum over the chunk counts finds the slot's sequence. The first SEQ_BLOCK lengths
-    are loaded once and kept in registers (one dependent load, as with no schedule). The loops are written as in
-    kernels_ws._chunk_of_slot, where ptxas spilled the consumer registers for other forms; while loops: the
-    interpreter takes no tensor range() bounds."""
-    i0 = tl.arange(0, SEQ_BLOCK)
-    len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
-    total = 0  # tiles
-    longest = 0
-    shortest = 1 << 30
-    b0 = 0
-    while b0 < batch:  # one reduction of three values (each reduction across warps waits on a barrier)
-        i, lens = _block_lens(len_ptr, b0, batch, len0)
-        t_sum, l_max, l_min = tl.reduce((tl.cdiv(lens, BLOCK_N), lens, tl.where(i < batch, lens, 1 << 30)), 0,
-                                        _sum_max_min)
-        total += t_sum
-        longest = tl.maximum(longest, l_max)
-        shortest = tl.minimum(shortest, l_min)
-        b0 += SEQ_BLOCK
-    most = tl.cdiv(longest, BLOCK_N)
-    uniform = longest == shortest  # then hi is the answer: no search
-    lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
-    hi = tl.maximum(lo, tl.cdiv(most, slots // batch))  # ≤ slots // batch chunks each: fits
-    k = tl.arange(0, K)
-    n_blocks = tl.cdiv(batch, SEQ_BLOCK)
-    count = tl.zeros([K], tl.int32)
-    j = 0
-    while j < tl.where(uniform, 0, SEARCH_ROUNDS * n_blocks):  # rounds × sequence blocks, one flat loop
-        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # lo first; lo, hi change at a round's end only
-        i, lens = _block_lens(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0)
-        n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
-        count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
-        last = j % n_blocks == n_blocks - 1
-        first_ok = tl.min(tl.where(count <= slots, k, K), 0)
-        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
-        new_hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
-        lo = tl.where(last, new_lo, lo)
-        hi = tl.where(last, new_hi, hi)
-        count = tl.where(last, 0, count)
-        j += 1
-    # this slot's sequence: slot // chunks each (uniform), or the number of sequences whose chunks all lie before it
-    n_each = tl.maximum(tl.cdiv(most, hi), 1)
-    seq = tl.where(uniform, tl.minimum(slot // n_each, batch), 0)
-    first = tl.where(uniform, seq * n_each, 0)
-    merge_idx = seq  # sequences of several chunks before this one (their merge list index)
-    merged = tl.where(uniform & (n_each > 1), batch, 0)
-    done = 0
-    b0 = 0
-    while b0 < tl.where(uniform, 0, batch):
-        i, lens = _block_lens(len_ptr, b0, batch, len0)
-        n = tl.where(i < batch, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
-        ends = done + tl.cumsum(n, 0)
-        before = (i < batch) & (ends <= slot)
-        seq += tl.sum(before.to(tl.int32), 0)
-        first = tl.maximum(first, tl.max(tl.where(before, ends, 0), 0))
-        merge_idx += tl.sum((before & (n > 1)).to(tl.int32), 0)
-        merged += tl.sum((n > 1).to(tl.int32), 0)
-        done += tl.sum(n, 0)
-        b0 += SEQ_BLOCK
-    seq_len = tl.where(uniform, longest,  # (a load only where the batch is not uniform)
-                       tl.load(len_ptr + seq, mask=(seq < batch) & ~uniform, other=0).to(tl.int32))
-    n_seq = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1)
-    start = (slot - first) * hi * BLOCK_N
-    end = tl.minimum(start + hi * BLOCK_N, seq_len)
-    return seq, seq_len, start, end, n_seq, first, tl.where(n_seq > 1, merge_idx, -1), merged
 
 
 @triton.jit
@@ -337,47 +231,38 @@ def _mla_decode_kernel(
     qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, cnt_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
-    batch, n_new, heads, page_size, n_rows, qk_scale, slots, min_tiles, num_splits, chunk_min,
+    n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: tl.constexpr, FP8: tl.constexpr, KV_LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
-    BALANCED: tl.constexpr = True,
 ):
     """Program (m-block, slot). o_ptr [B, Q, H, 512] / lse_ptr [B, Q, H]: the final output (contiguous).
-    SPLIT (slots > batch): the slot takes the chunk _chunk_of_slot gives it (_static_chunk without BALANCED); a
-    sequence of one chunk is written to the
-    final output directly, the chunks of a longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr
-    [slots, Q, H] in the slot's row, and the list of sequences to merge to sched_ptr: [0] its length, then
-    (sequence, first chunk, chunks) each.
+    SPLIT (more slots than sequences): the slot takes the chunk in its row of the schedule sched_ptr (schedule.py:
+    sequence −1 is a spare slot); a sequence of one chunk is written to the final output directly, the chunks of a
+    longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr [slots, Q, H] in the slot's row.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
     cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
     output and resets the counter to 0.
-    USE_PDL: launched with programmatic dependent launch: waits for the kernels before it (q, the cache) before any
-    load, and lets the next kernel launch early (its CTAs take free slots and wait in turn)."""
+    USE_PDL: launched with programmatic dependent launch: waits for the kernels before it (the schedule, q, the
+    cache) before any load, and lets the next kernel launch early (its CTAs take free slots and wait in turn)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
     slot = tl.program_id(1)
     if SPLIT:
-        if BALANCED:
-            seq, seq_len, start, end, n_seq, first, listed, merged = _chunk_of_slot(
-                len_ptr, batch, slot, slots, min_tiles, BLOCK_N, MAX_CHUNKS)
-        else:
-            seq, seq_len, start, end, n_seq, first, listed, merged = _static_chunk(
-                len_ptr, batch, slot, chunk_min, num_splits, BLOCK_N)
-        if seq >= batch:  # a spare slot
+        row = sched_ptr + slot * SCHEDULE_ROW  # six loads in one round
+        seq = tl.load(row)
+        seq_len = tl.load(row + 1)
+        start = tl.load(row + 2)
+        end = tl.load(row + 3)
+        n_seq = tl.load(row + 4)
+        first = tl.load(row + 5)
+        if seq < 0:  # a spare slot
             return
-        if m_block == 0:  # the merge list: its length (slot 0 is always a chunk), (sequence, first chunk, chunks)
-            if slot == 0:
-                tl.store(sched_ptr, merged)
-            if (slot == first) & (listed >= 0):
-                e = tl.arange(0, 4)
-                tl.store(sched_ptr + 1 + 3 * listed + e, tl.where(e == 0, seq, tl.where(e == 1, first, n_seq)),
-                         mask=e < 3)
     else:
         seq = slot
         seq_len = tl.load(len_ptr + seq).to(tl.int32)
@@ -638,9 +523,7 @@ MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
 SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
-MAX_SPLITS = 256  # what the merge takes (an explicit num_splits; chunks of one sequence)
-MAX_CHUNKS = tl.constexpr(MAX_SPLITS)
-SEARCH_ROUNDS = tl.constexpr(4)  # of _chunk_of_slot's chunk-size search: exact up to 16⁴ tiles (4M keys at 64 a tile)
+MAX_SPLITS = MAX_CHUNKS  # what the merge takes (an explicit num_splits; chunks of one sequence)
 # merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
 # reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
 MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
@@ -685,10 +568,6 @@ def decode_config(rows: int, fp8: bool = False):
     +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i),
     16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
     the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
-    BALANCED off (the Triton kernel at 32 and 64 rows, on Hopper only for FP8 caches): the static split (sequence
-    slot // splits, chunks from max_context, no spare slots): with the balanced split's code these configurations
-    spilled 2–4x more (64 rows FP8: 624–784 bytes of stack against 176) and FP8 128 heads B=32 8k ran 32–38% slower
-    (H100, session n).
     FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
     splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
     (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
@@ -697,34 +576,35 @@ def decode_config(rows: int, fp8: bool = False):
     if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
-                        PROGRAMS_PER_SM=1, BALANCED=False)
+                        PROGRAMS_PER_SM=1)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True,
-                    PROGRAMS_PER_SM=2 if block_m == 16 else 1, BALANCED=block_m == 16)
+                    PROGRAMS_PER_SM=2 if block_m == 16 else 1)
     if block_m >= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
-                    WS=True, BALANCED=False)
+                    WS=True)
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
-                    PROGRAMS_PER_SM=2, WS=True, BALANCED=False)
+                    PROGRAMS_PER_SM=2, WS=True)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
 
 
-def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
-    """The launch of one decode call: (config, Gluon kernel or not, m-blocks, splits, chunk slots, smallest chunk in
-    key tiles). The Gluon kernel (WS, where decode_config asks for it and kernels_ws.supported allows) takes 64-row
-    blocks (fewer rows padded) of 64 keys, one program per SM; otherwise the Triton kernel with decode_config's
-    tiles. Shapes only (CUDA graphs): the grid is m-blocks × slots, and _chunk_of_slot balances the keys over the slots
-    from the lengths on the device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch
-    × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a skewed batch;
-    not where decode_config's BALANCED is off, nor for the Gluon kernel at one split a sequence: static split);
-    smallest chunk: the heuristic's chunk (max_context / splits) where keys set the split count, else down to
-    min_keys. A uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count,
-    splits = wave // batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits;
-    where keys do, the smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a
-    grid of shapes). A caller's num_splits: slots = batch × num_splits, any chunk size."""
-    batch, n_new, heads, _ = q_nope.shape
+def decode_plan(shape, cache, max_context, num_splits=None, config=None):
+    """The launch of a decode call on queries of `shape` (batch, new tokens, heads) over `cache`: (config, Gluon
+    kernel or not, m-blocks, splits, chunk slots, smallest chunk in key tiles). The Gluon kernel (WS, where
+    decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
+    one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the grid
+    is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
+    device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
+    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch); smallest chunk: the
+    heuristic's chunk (max_context / splits) where keys set the split count, else down to min_keys. A uniform batch
+    at max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave // batch and
+    slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the smallest
+    chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes). A caller's
+    num_splits: slots = batch × num_splits, any chunk size."""
+    batch, n_new, heads = shape
+    fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
-    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(q_nope, cache)
+    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(cache)
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
@@ -733,19 +613,10 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     block_n = cfg["BLOCK_N"]
-    balanced = cfg.setdefault("BALANCED", True) or ws
-    if ws:
-        cfg.pop("BALANCED")
     if num_splits:
         return cfg, ws, m_blocks, num_splits, batch * num_splits, 1
-    num_sms = sm_count(q_nope.device)
+    num_sms = sm_count(cache.device)
     splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
-    if not balanced or (ws and splits == 1):
-        # the Gluon kernel with one split a sequence (B ≥ 66 at 128 heads: two waves or more, whose programs the
-        # GPU already hands to SMs as they free up) keeps the static split: its schedule code costs ~3.6 µs a
-        # program (both waves: 128 heads B=128 1k 90 → 98 µs, under the 50%-of-GEMM goal), and spare slots help
-        # only an outlier (1 × 8k + 127 × 512: 240 → 111 µs) (H100, NOTES, session n)
-        return cfg, ws, m_blocks, splits, batch * splits, 1
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
@@ -755,35 +626,14 @@ def decode_plan(q_nope, cache, fp8, max_context, num_splits=None, config=None):
     return cfg, ws, m_blocks, splits, slots, min_tiles
 
 
-def split_schedule(seq_lens, block_n, slots, min_tiles, max_chunks=MAX_SPLITS):
-    """_chunk_of_slot's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles,
-    [(first chunk, chunks)] per sequence)."""
-    tiles = [-(-int(n) // block_n) for n in seq_lens]
-
-    def fits(c):
-        return sum(max(1, -(-t // c)) for t in tiles) <= slots
-
-    most = max(tiles, default=0)
-    lo = max(1, min_tiles, -(-sum(tiles) // slots), -(-most // max_chunks))
-    hi = max(lo, -(-most // (slots // len(tiles))))
-    while lo < hi:  # the smallest c that fits (c = the longest sequence always does: slots ≥ batch)
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    ranges, first = [], 0
-    for t in tiles:
-        n = max(1, -(-t // lo))
-        ranges.append((first, n))
-        first += n
-    return lo, ranges
-
-
-def _ws_supported(q, cache):
-    """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run this call."""
-    if not q.is_cuda:
+def _ws_supported(cache):
+    """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run on this cache (the queries have its dtype:
+    api.mla_decode checks)."""
+    if not cache.is_cuda:
         return False
     from . import kernels_ws
 
-    return kernels_ws.supported(q, cache)
+    return kernels_ws.supported(cache)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -804,23 +654,27 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
     return max(1, min(fill, fit, AUTO_MAX_SPLITS))
 
 
-def decode_chunk(max_context: int, num_splits: int, block_n: int) -> int:
-    """The static split's chunk (keys, a multiple of block_n; 0 for one split)."""
-    if num_splits <= 1:
-        return 0
-    return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+def decode_schedule(shape, cache, seq_lens, max_context, num_splits=None, config=None):
+    """The schedule of a decode step (schedule.py) for queries of `shape` (batch, new tokens, heads), or None where
+    the plan gives one program per sequence (nothing to schedule)."""
+    cfg, _, _, _, slots, min_tiles = decode_plan(shape, cache, max_context, num_splits, config)
+    if slots == shape[0] or 0 in shape:
+        return None
+    return build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles)
 
 
 def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context,
-               config=None):
-    """q_nope [B, Q, H, 512], q_pe [B, Q, H, 64] → (o [B, Q, H, 512] in q's dtype, lse fp32 [B, Q, H])."""
+               config=None, schedule=None):
+    """q_nope [B, Q, H, 512], q_pe [B, Q, H, 64] → (o [B, Q, H, 512] in q's dtype, lse fp32 [B, Q, H]). schedule:
+    decode_schedule's for these lengths and this plan (built here if None)."""
     batch, n_new, heads, _ = q_nope.shape
     o = torch.empty(batch, n_new, heads, KV_LORA, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(batch, n_new, heads, dtype=torch.float32, device=q_nope.device)
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg, ws, m_blocks, splits, slots, min_tiles = decode_plan(q_nope, cache, fp8, max_context, num_splits, config)
+    cfg, ws, m_blocks, splits, slots, min_tiles = decode_plan((batch, n_new, heads), cache, max_context, num_splits,
+                                                              config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
@@ -840,36 +694,32 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if split:
         part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
         part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
-        sched = torch.empty(1 + 3 * merge_entries(batch, slots), dtype=torch.int32, device=o.device)
+        sched = build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles) if schedule is None else schedule
+        if sched.shape != (schedule_size(batch, slots),):
+            raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots) needs "
+                             f"{schedule_size(batch, slots)}")
     if ws:
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,
-                      slots, min_tiles)
+                      slots)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, slots)](
             q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
-            batch, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, slots, min_tiles,
-            splits, decode_chunk(max_context, splits, cfg["BLOCK_N"]), SPLIT=split, FP8=fp8, KV_LORA=KV_LORA,
-            ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg,
+            n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, SPLIT=split, FP8=fp8,
+            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg,
             **({"launch_pdl": True} if pdl else {}),
         )
     if split and not fused:
-        merge_partials(part_o, part_l, sched, o, lse, splits, merge_rows)
+        merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows)
     return o, lse
-
-
-def merge_entries(batch: int, slots: int) -> int:
-    """Length bound of the merge list: a sequence of several chunks takes ≥ 2 slots, so at most slots − batch of
-    them (4 for 128 sequences on 132 slots: the merge grid stays that small)."""
-    return max(1, min(batch, slots - batch))
 
 
 def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None):
     """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
-    list sched (the decode kernel's) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load
+    list sched (the schedule's) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load
     where there are many rows and few splits (rows_kernel: force either kernel), else one row (or a column block of
     it) per program walking its chunks."""
     batch, n_new, heads, _ = o.shape

@@ -33,99 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .schedule import ROW
+
 BLOCK_M = 64
-MAX_CHUNKS = 256  # chunks of one sequence at most (kernels.MAX_SPLITS: what the merge takes)
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
-SEARCH_ROUNDS = gl.constexpr(4)  # as kernels.SEARCH_ROUNDS
-
-
-@gluon.jit
-def _block_lens(len_ptr, b0, batch, len0, layout: gl.constexpr):
-    """(indices, lengths) of sequences b0 + [0, SEQ_BLOCK) (0 past the batch): block 0 from registers (len0), the
-    others loaded (a load here waits ~1 µs for L2 while the other SMs stream the cache)."""
-    i = b0 + gl.arange(0, len0.shape[0], layout=layout)
-    loaded = gl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(gl.int32)
-    return i, gl.where(b0 == 0, gl.convert_layout(len0, layout), loaded)
-
-
-@gluon.jit
-def _sum_max_min(s0, x0, n0, s1, x1, n1):
-    return s0 + s1, gl.maximum(x0, x1), gl.minimum(n0, n1)
-
-
-@gluon.jit
-def _chunk_of_slot(len_ptr, batch, slot, slots, min_tiles, BLOCK_N: gl.constexpr, MAX_CHUNKS: gl.constexpr):
-    """kernels._chunk_of_slot in Gluon (the same chunks; Gluon cannot call a Triton function). The first 128
-    lengths are loaded once and kept in registers: one dependent load, as with no schedule, for batches up to 128.
-    ptxas is touchy here: an if/else, a while loop, nested loops with a data-dependent trip count or one more select
-    before the search made it spill the consumer warpgroups' registers in their score loop (220–224 spill
-    instructions against 33–49, sm_90): the search is one flat loop (rounds × sequence blocks), updated by selects,
-    its trip count 0 for a uniform batch."""
-    SEQ_BLOCK: gl.constexpr = 128
-    K: gl.constexpr = 16
-    seq_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one sequence a thread (a scan needs a plain layout)
-    grid: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [4, 1], [1, 0])  # [SEQ_BLOCK, K]
-    grid_seq_l: gl.constexpr = gl.SliceLayout(1, grid)
-    k_l: gl.constexpr = gl.SliceLayout(0, grid)
-    i0 = gl.arange(0, SEQ_BLOCK, layout=seq_l)
-    len0 = gl.load(len_ptr + i0, mask=i0 < batch, other=0).to(gl.int32)
-    total = 0  # tiles
-    longest = 0
-    shortest = 1 << 30
-    for b0 in range(0, batch, SEQ_BLOCK):  # one reduction of three values (each waits on a barrier across warps)
-        i, lens = _block_lens(len_ptr, b0, batch, len0, seq_l)
-        t_sum, l_max, l_min = gl.reduce(((lens + BLOCK_N - 1) // BLOCK_N, lens, gl.where(i < batch, lens, 1 << 30)),
-                                        0, _sum_max_min)
-        total += t_sum
-        longest = gl.maximum(longest, l_max)
-        shortest = gl.minimum(shortest, l_min)
-    most = (longest + BLOCK_N - 1) // BLOCK_N
-    lo = gl.maximum(gl.maximum(min_tiles, (total + slots - 1) // slots),
-                    gl.maximum((most + MAX_CHUNKS - 1) // MAX_CHUNKS, 1))
-    per_seq = slots // batch
-    hi = gl.maximum(lo, (most + per_seq - 1) // per_seq)  # ≤ slots // batch chunks each: fits
-    uniform = longest == shortest  # then hi is the answer: no search
-    k = gl.arange(0, K, layout=k_l)
-    n_blocks = (batch + SEQ_BLOCK - 1) // SEQ_BLOCK
-    count = gl.zeros([K], gl.int32, layout=k_l)
-    for j in range(0, gl.where(uniform, 0, SEARCH_ROUNDS * n_blocks)):
-        cand = gl.minimum(lo + (hi - lo + K - 1) // K * k, hi)  # lo first; lo, hi change at a round's end only
-        i, lens = _block_lens(len_ptr, j % n_blocks * SEQ_BLOCK, batch, len0, grid_seq_l)
-        t = (lens + BLOCK_N - 1) // BLOCK_N
-        n = gl.maximum((t[:, None] + cand[None, :] - 1) // cand[None, :], 1)
-        count += gl.reduce(gl.where((i < batch)[:, None], n, 0), 0, _add)
-        last = j % n_blocks == n_blocks - 1
-        first_ok = gl.reduce(gl.where(count <= slots, k, K), 0, _minimum)
-        new_lo = gl.where(first_ok == 0, lo, gl.reduce(gl.where(k == first_ok - 1, cand, 0), 0, _add) + 1)
-        new_hi = gl.where(first_ok == K, hi, gl.reduce(gl.where(k == first_ok, cand, 0), 0, _add))
-        lo = gl.where(last, new_lo, lo)
-        hi = gl.where(last, new_hi, hi)
-        count = gl.where(last, 0, count)
-    n_each = gl.maximum((most + hi - 1) // hi, 1)
-    seq = gl.where(uniform, gl.minimum(slot // n_each, batch), 0)
-    first = gl.where(uniform, seq * n_each, 0)
-    merge_idx = seq
-    merged = gl.where(uniform & (n_each > 1), batch, 0)
-    done = 0
-    for b0 in range(0, gl.where(uniform, 0, batch), SEQ_BLOCK):
-        i, lens = _block_lens(len_ptr, b0, batch, len0, seq_l)
-        n = gl.where(i < batch, gl.maximum(((lens + BLOCK_N - 1) // BLOCK_N + hi - 1) // hi, 1), 0)
-        ends = done + gl.associative_scan(n, 0, _add)
-        before = (i < batch) & (ends <= slot)
-        seq += gl.reduce(before.to(gl.int32), 0, _add)
-        first = gl.maximum(first, gl.reduce(gl.where(before, ends, 0), 0, _maximum))
-        merge_idx += gl.reduce((before & (n > 1)).to(gl.int32), 0, _add)
-        merged += gl.reduce((n > 1).to(gl.int32), 0, _add)
-        done += gl.reduce(n, 0, _add)
-    seq_len = gl.where(uniform, longest,  # (a load only where the batch is not uniform)
-                       gl.load(len_ptr + gl.minimum(seq, batch - 1), mask=(seq < batch) & (not uniform),
-                               other=0).to(gl.int32))
-    n_seq = gl.maximum(((seq_len + BLOCK_N - 1) // BLOCK_N + hi - 1) // hi, 1)
-    start = (slot - first) * hi * BLOCK_N
-    end = gl.minimum(start + hi * BLOCK_N, seq_len)
-    return seq, seq_len, start, end, n_seq, first, gl.where(n_seq > 1, merge_idx, -1), merged
 
 
 @gluon.jit
@@ -159,11 +72,6 @@ def _maximum(a, b):
     """Reduction combiners of our own: gl.max and gl.sum wrap triton.language's, whose combiners become interpreter
     objects Gluon cannot call when TRITON_INTERPRET=1 (the CPU tests compile this kernel)."""
     return gl.maximum(a, b)
-
-
-@gluon.jit
-def _minimum(a, b):
-    return gl.minimum(a, b)
 
 
 @gluon.jit
@@ -420,24 +328,21 @@ def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    batch, n_new, heads, page_size, n_rows, qk_scale, slots, min_tiles,
-    SPLIT: gl.constexpr, MAX_CHUNKS: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
+    n_new, heads, page_size, n_rows, qk_scale,
+    SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
-    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk
-        seq, seq_len, start, end, n_seq, first, listed, merged = _chunk_of_slot(len_ptr, batch, slot, slots,
-                                                                                min_tiles, BLOCK_N, MAX_CHUNKS)
-        if seq >= batch:  # a spare slot
+    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
+        row = sched_ptr + slot * SCHEDULE_ROW
+        seq = gl.load(row)
+        seq_len = gl.load(row + 1)
+        start = gl.load(row + 2)
+        end = gl.load(row + 3)
+        direct = gl.load(row + 4) == 1
+        if seq < 0:  # a spare slot
             return
-        # the merge list (slot 0 is always a chunk); masked stores, not branches (ptxas: see _chunk_of_slot)
-        gl.store(sched_ptr, merged, mask=(slot == 0) & (m_block == 0))
-        entry = (slot == first) & (m_block == 0) & (listed >= 0)
-        gl.store(sched_ptr + 1 + 3 * listed, seq, mask=entry)
-        gl.store(sched_ptr + 2 + 3 * listed, first, mask=entry)
-        gl.store(sched_ptr + 3 + 3 * listed, n_seq, mask=entry)
-        direct = n_seq == 1
     else:
         seq = slot
         seq_len = gl.load(len_ptr + seq).to(gl.int32)
@@ -496,25 +401,24 @@ def triton_ok():
     return triton.__version__.startswith(TRITON_VERSIONS)
 
 
-def supported(q, cache):
-    """Hopper (sm_90), a 16-bit cache in q's dtype, pages holding whole key tiles, TMA-aligned cache, a checked
-    triton."""
-    return (q.is_cuda and triton_ok() and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and q.dtype == cache.dtype and cache.dtype in (torch.bfloat16, torch.float16)
+def supported(cache):
+    """Hopper (sm_90), a 16-bit cache (the queries' dtype), pages holding whole key tiles, TMA-aligned cache, a
+    checked triton."""
+    return (cache.is_cuda and triton_ok() and torch.cuda.get_device_capability(cache.device) == (9, 0)
+            and cache.dtype in (torch.bfloat16, torch.float16)
             and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
-def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                  min_tiles):
+def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
-    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials and sched the merge list for the merge
-    kernel (slots > batch only)."""
+    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
+    (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     _mla_decode_ws_kernel[(m_blocks, slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        batch, n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, slots, min_tiles,
-        SPLIT=slots > batch, MAX_CHUNKS=MAX_CHUNKS, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
+        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
     )

@@ -96,14 +96,16 @@ class DeepseekV3MLA:
         return self._linear(o.reshape(x.shape[0], -1), "o_proj")
 
     def decode(self, x, positions, seq_lens, block_tables, slot_mapping, cache, cache_scales=None,
-               max_seqlen_k: Optional[int] = None):
+               max_seqlen_k: Optional[int] = None, schedule=None):
         """x [B, Q, hidden]: the newest Q tokens of each sequence; positions [B, Q], slot_mapping [B·Q];
-        seq_lens [B] the lengths including them. Absorbed MQA over the latent cache. Returns [B, Q, hidden]."""
+        seq_lens [B] the lengths including them. Absorbed MQA over the latent cache (schedule: the step's
+        mla_decode_schedule, shared by the model's layers). Returns [B, Q, hidden]."""
         b, n_new = x.shape[:2]
         q_nope, q_pe = self._project(x.reshape(b * n_new, -1), positions.reshape(-1), slot_mapping, cache,
                                      cache_scales)
         q_lat = torch.einsum("thn,hnd->thd", q_nope, self.w_uk).view(b, n_new, self.h, KV_LORA_RANK)
         o_lat, _ = mla_decode(q_lat, q_pe.view(b, n_new, self.h, ROPE_DIM), cache, block_tables, seq_lens,
-                              scale=self.scale, cache_scales=cache_scales, max_seqlen_k=max_seqlen_k)
+                              scale=self.scale, cache_scales=cache_scales, max_seqlen_k=max_seqlen_k,
+                              schedule=schedule)
         o = torch.einsum("bqhd,hvd->bqhv", o_lat, self.w_uv)
         return self._linear(o.reshape(b, n_new, -1), "o_proj")

@@ -1,0 +1,151 @@
+"""The split-KV schedule of an MLA decode step: which keys of which sequence each decode program (a "slot") takes,
+computed once per step on the device by one small Triton program and read by every layer's decode kernel (one row
+per program), as FlashMLA's get_mla_metadata does.
+
+Balanced split: one chunk size c (in key tiles) for the whole batch, the smallest c ≥ lo = max(min_tiles,
+⌈tiles / slots⌉, ⌈longest / MAX_CHUNKS⌉ (what a merge takes)) with Σᵢ max(1, ⌈tilesᵢ / c⌉) ≤ slots; sequence i is
+cut into nᵢ = max(1, ⌈tilesᵢ / c⌉) chunks, numbered in sequence order, and slot p takes chunk p. So a long sequence
+among short ones takes the spare slots; a uniform batch (all lengths equal) gets c = ⌈tiles / (slots // batch)⌉,
+decode_num_splits's static split. Shapes decide the launch (slots); only the table depends on the lengths, so CUDA
+graphs capture both kernels. The decode kernels once found their chunk themselves, each program repeating the
+search: that cost ~3.6 µs a program in the Gluon kernel (H100, benchmarks/NOTES.md, issue 6, session n).
+
+Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
+its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
+(sequence, first chunk's slot, chunks) for each sequence of several chunks, in order."""
+
+import torch
+import triton
+import triton.language as tl
+
+ROW = 6
+SCHEDULE_ROW = tl.constexpr(ROW)  # (jit functions read module globals only as constexprs)
+MAX_CHUNKS = 256  # chunks of one sequence at most (what the merge takes)
+SEQ_BLOCK = 256  # sequences per block (the first block stays in registers through the search)
+CANDIDATES = 16  # chunk sizes tested per search round
+CHUNK_BLOCK = 16  # chunks of a sequence written per step
+
+
+def merge_entries(batch: int, slots: int) -> int:
+    """Length bound of the merge list: a sequence of several chunks takes ≥ 2 slots, so at most slots − batch of
+    them (4 for 128 sequences on 132 slots: the merge grid stays that small)."""
+    return max(1, min(batch, slots - batch))
+
+
+def schedule_size(batch: int, slots: int) -> int:
+    return ROW * slots + 1 + 3 * merge_entries(batch, slots)
+
+
+@triton.jit
+def _block_lens(len_ptr, b0, batch, len0):
+    """(indices, lengths) of sequences b0 + [0, SEQ_BLOCK), 0 past the batch; block 0 from registers (len0)."""
+    i = b0 + tl.arange(0, len0.shape[0])
+    loaded = tl.load(len_ptr + i, mask=(i < batch) & (b0 > 0), other=0).to(tl.int32)
+    return i, tl.where(b0 == 0, len0, loaded)
+
+
+@triton.jit(do_not_specialize=["batch", "slots", "min_tiles"])  # one compile for every batch size
+def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.constexpr,
+                     MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, J: tl.constexpr):
+    """One program writes the whole schedule (module docstring). The chunk-size search keeps c in [lo, hi] (hi always
+    fits: ≤ slots // batch chunks each) and tests K candidates per round, cutting the range K-fold: ≤ 5 rounds for
+    any length below 2³¹; none for a uniform batch."""
+    i0 = tl.arange(0, SEQ_BLOCK)
+    len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
+    total = 0  # key tiles
+    longest = 0
+    shortest = 1 << 30
+    b0 = 0
+    while b0 < batch:
+        i, lens = _block_lens(len_ptr, b0, batch, len0)
+        total += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+        longest = tl.maximum(longest, tl.max(lens, 0))
+        shortest = tl.minimum(shortest, tl.min(tl.where(i < batch, lens, 1 << 30), 0))
+        b0 += SEQ_BLOCK
+    most = tl.cdiv(longest, BLOCK_N)
+    lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
+    hi = tl.maximum(lo, tl.cdiv(most, slots // batch))
+    lo = tl.where(longest == shortest, hi, lo)  # uniform: hi is the smallest that fits
+    k = tl.arange(0, K)
+    while lo < hi:
+        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
+        count = tl.zeros([K], tl.int32)
+        b0 = 0
+        while b0 < batch:
+            i, lens = _block_lens(len_ptr, b0, batch, len0)
+            n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
+            count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
+            b0 += SEQ_BLOCK
+        first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
+        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
+        hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
+        lo = new_lo
+    chunk_keys = hi * BLOCK_N
+    j0 = tl.arange(0, J)
+    done = 0  # slots taken by the sequences before this block
+    merged = 0  # merge-list entries so far
+    b0 = 0
+    while b0 < batch:
+        i, lens = _block_lens(len_ptr, b0, batch, len0)
+        ok = i < batch
+        n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
+        first = done + tl.cumsum(n, 0) - n
+        several = ok & (n > 1)
+        several_i = several.to(tl.int32)
+        entry = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * (merged + tl.cumsum(several_i, 0) - several_i)
+        tl.store(entry, i, mask=several)
+        tl.store(entry + 1, first, mask=several)
+        tl.store(entry + 2, n, mask=several)
+        jb = 0
+        while jb < tl.max(n, 0):  # the sequences' chunks, J at a time
+            j = jb + j0[None, :]
+            own = j < n[:, None]
+            start = j * chunk_keys
+            row = sched_ptr + (first[:, None] + j) * SCHEDULE_ROW
+            tl.store(row, i[:, None] + 0 * j, mask=own)
+            tl.store(row + 1, lens[:, None] + 0 * j, mask=own)
+            tl.store(row + 2, start, mask=own)
+            tl.store(row + 3, tl.minimum(start + chunk_keys, lens[:, None]), mask=own)
+            tl.store(row + 4, n[:, None] + 0 * j, mask=own)
+            tl.store(row + 5, first[:, None] + 0 * j, mask=own)
+            jb += J
+        done += tl.sum(n, 0)
+        merged += tl.sum(several.to(tl.int32), 0)
+        b0 += SEQ_BLOCK
+    tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
+    s0 = done
+    while s0 < slots:  # spare slots
+        s = s0 + i0
+        tl.store(sched_ptr + s * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s < slots)
+        s0 += SEQ_BLOCK
+
+
+def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int) -> torch.Tensor:
+    """The schedule of seq_lens [B] over `slots` decode programs (≥ B) with key tiles of block_n (module docstring)."""
+    batch = seq_lens.shape[0]
+    sched = torch.empty(schedule_size(batch, slots), dtype=torch.int32, device=seq_lens.device)
+    _schedule_kernel[(1,)](seq_lens, sched, batch, slots, min_tiles, BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS,
+                           SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES, J=CHUNK_BLOCK, num_warps=4)
+    return sched
+
+
+def split_schedule(seq_lens, block_n, slots, min_tiles, max_chunks=MAX_CHUNKS):
+    """The schedule's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles,
+    [(first chunk, chunks)] per sequence)."""
+    tiles = [-(-int(n) // block_n) for n in seq_lens]
+
+    def fits(c):
+        return sum(max(1, -(-t // c)) for t in tiles) <= slots
+
+    most = max(tiles, default=0)
+    lo = max(1, min_tiles, -(-sum(tiles) // slots), -(-most // max_chunks))
+    hi = max(lo, -(-most // (slots // len(tiles))))
+    while lo < hi:  # the smallest c that fits (c = the longest sequence always does: slots ≥ batch)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    ranges, first = [], 0
+    for t in tiles:
+        n = max(1, -(-t // lo))
+        ranges.append((first, n))
+        first += n
+    return lo, ranges
