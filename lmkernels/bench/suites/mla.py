@@ -255,8 +255,23 @@ def _impl(name, kind, fn, sets, check, nbytes, flops, first=None):
     return res
 
 
+def _schedule_costs(ours, call_fn, make_schedule, sets):
+    """ours is timed with the step's schedule made once and shared (as a model's layers share it): also time the
+    call that makes its own (ms_call) and the schedule kernel alone (ms_schedule)."""
+    if "ms" in ours and _dev() == "cuda":
+        ours["ms_call"] = timing.time_ms(call_fn, sets)
+        ours["ms_schedule"] = timing.time_ms(make_schedule, [()])
+
+
+def _schedule_note(ours):
+    if "ms_call" not in ours:
+        return ""
+    return (f"; per layer (the step's schedule shared; made inside the call {ours['ms_call'] * 1e3:.1f} µs, the "
+            f"schedule kernel alone {ours['ms_schedule'] * 1e3:.1f} µs)")
+
+
 def decode_case(batch, ctx, heads, n_new):
-    from ...ops.mla import kernels, mla_decode
+    from ...ops.mla import kernels, mla_decode, mla_decode_schedule
 
     dt, dev = _dtype(), _dev()
     label = f"B={batch} ctx={ctx} H={heads} Q={n_new}"
@@ -285,7 +300,15 @@ def decode_case(batch, ctx, heads, n_new):
     small = batch * n_new * heads * ctx <= (1 << 27)
     want = _reference(q_nope, q_pe, dense, n_new) if small else None
 
+    def make_schedule():  # every set has the same lengths: one schedule serves them all
+        return mla_decode_schedule(cache, tables, lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=ctx)
+
+    schedule = make_schedule()
+
     def ours_fn(q_nope, q_pe, cache, tables, lens):
+        return mla_decode(q_nope, q_pe, cache, tables, lens, scale=SCALE, max_seqlen_k=ctx, schedule=schedule)[0]
+
+    def call_fn(q_nope, q_pe, cache, tables, lens):
         return mla_decode(q_nope, q_pe, cache, tables, lens, scale=SCALE, max_seqlen_k=ctx)[0]
 
     ours_out = ours_fn(*sets[0])
@@ -300,6 +323,7 @@ def decode_case(batch, ctx, heads, n_new):
         ours["ms"] = min(ours["ms"], timing.time_ms(ours_fn, sets))
         ours["gbps"], ours["tflops"] = gbps(nbytes, ours["ms"]), tflops(flops, ours["ms"])
         ours["spread_pct"] = 100 * abs(ours["ms_first"] - ours["ms"]) / ours["ms"]
+    _schedule_costs(ours, call_fn, make_schedule, sets)
     ref_o = ours_out.float() if want is None else want
     del sets
     if dev == "cuda":
@@ -319,7 +343,7 @@ def decode_case(batch, ctx, heads, n_new):
     if _flex_wanted(batch, ctx, heads, n_new, dev):
         peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
-    cfg, ws, m_blocks, splits, *_ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
+    cfg, ws, m_blocks, splits, slots, _ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
     if ws:
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:
@@ -352,8 +376,8 @@ def decode_case(batch, ctx, heads, n_new):
     extra = f"{row['pct_gemm']:.1f}% of GEMM, " if row.get("pct_gemm") is not None and compute else ""
     row["note"] = (f"{label}: {unit} ours {ours_fig} ({extra}{ours.get('gbps', 0):.0f} GB/s, "
                    f"{ours.get('tflops', 0):.1f} TFLOP/s), {figs}; goal {goal_txt}; page {PAGE}, "
-                   f"{tiles}, {splits} splits, "
-                   f"timing {ours.get('timing')}"
+                   f"{tiles}, {splits} splits on {slots} programs per m-block, "
+                   f"timing {ours.get('timing')}{_schedule_note(ours)}"
                    + ("" if want is not None else "; checked on batch entry 0 (fp32 reference too large)"))
     return row
 
@@ -377,18 +401,28 @@ def _ragged_inputs(lens, heads, dt, dev):
     return q_nope, q_pe, cache, tables, lens_t
 
 
-def _ours_ms(lens, heads, dt, dev, nbytes):
-    """ours on a batch of these lengths (max_seqlen_k: its longest): (ms, timing method)."""
-    from ...ops.mla import mla_decode
+def _ours_ms(lens, heads, dt, dev, nbytes, costs=None):
+    """ours on a batch of these lengths (max_seqlen_k: its longest; the schedule shared): (ms, timing method);
+    costs: a dict for _schedule_costs."""
+    from ...ops.mla import mla_decode, mla_decode_schedule
 
     n_sets = timing.rotation_count(nbytes, timing.l2_bytes() if dev == "cuda" else timing.DEFAULT_L2)
     sets = [_ragged_inputs(lens, heads, dt, dev) for _ in range(n_sets)]
+    _, _, cache, tables, lens_t = sets[0]
 
-    def fn(q_nope, q_pe, cache, tables, lens_t):
-        return mla_decode(q_nope, q_pe, cache, tables, lens_t, scale=SCALE, max_seqlen_k=max(lens))
+    def make_schedule():
+        return mla_decode_schedule(cache, tables, lens_t, num_heads=heads, max_seqlen_k=max(lens))
+
+    schedule = make_schedule()
+
+    def fn(q_nope, q_pe, cache, tables, lens_t, schedule=schedule):
+        return mla_decode(q_nope, q_pe, cache, tables, lens_t, scale=SCALE, max_seqlen_k=max(lens), schedule=schedule)
 
     fn(*sets[0])  # compiled before the first timed call (_measure times one call first, to choose its method)
     ms, method = _measure(fn, sets)
+    if costs is not None:
+        costs["ms"] = ms
+        _schedule_costs(costs, lambda *a: fn(*a, schedule=None), make_schedule, sets)
     return ms, method
 
 
@@ -424,7 +458,7 @@ def skewed_case(name, long_len, short_len, n_short, heads):
         ours["wrong"] = f"rel err {ours['err']:.2e} > {TOL:.0e}"
         return {**base, "status": "FAILED", "failure": ours["wrong"], "ours": ours, "note": f"{label}: wrong"}
     del q_nope, q_pe, cache, tables, o
-    ours["ms"], ours["timing"] = _ours_ms(lens, heads, dt, dev, nbytes)
+    ours["ms"], ours["timing"] = _ours_ms(lens, heads, dt, dev, nbytes, ours)
     ours["gbps"], ours["tflops"] = gbps(nbytes, ours["ms"]), tflops(flops, ours["ms"])
     apart = [_ours_ms(ls, heads, dt, dev, counts(ls)[0])[0] for ls in ([long_len], [short_len] * n_short)]
     row = {**base, "status": "ok", "failure": None, "ours": ours, "members_apart_ms": apart}
@@ -437,7 +471,7 @@ def skewed_case(name, long_len, short_len, n_short, heads):
     row["note"] = (f"{label} (a skewed batch): ours {ours['ms'] * 1e3:.1f} µs, {ours[key]:.1f} {base['unit']}; its "
                    f"members run apart {apart[0] * 1e3:.1f} µs (1 × {long_len}) + {apart[1] * 1e3:.1f} µs "
                    f"({n_short} × {short_len}): together {sum(apart) / ours['ms']:.2f}x as fast; no goal stated; "
-                   f"timing {ours['timing']}")
+                   f"timing {ours['timing']}{_schedule_note(ours)}")
     return row
 
 

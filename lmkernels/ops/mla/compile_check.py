@@ -63,7 +63,7 @@ def main(argv=None):
     _show("mla merge", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
     from . import schedule as S
 
-    sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES, J=S.CHUNK_BLOCK)
+    sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)
     _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce, 4, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
