@@ -5,7 +5,7 @@ Ours runs fp16 through the interpreter (bf16 dots are wrong there), transformers
 import pytest
 import torch
 
-from lmkernels.ops.mla import new_latent_cache
+from lmkernels.ops.mla import mla_decode_schedule, new_latent_cache
 from lmkernels.ops.mla.layer import DeepseekV3MLA
 
 transformers = pytest.importorskip("transformers")
@@ -75,14 +75,16 @@ def test_layer_matches_transformers(q_lora_rank, fp8):
     out = ours.prefill(x, pos, cu, lens, tables, slot, cache, scales)
     check(out[: prompts[0]], 0, torch.arange(prompts[0]))
     check(out[prompts[0]:], 1, torch.arange(prompts[1]))
-    # decode: 1, 1, then 2 tokens per sequence
+    # decode: 1, 1, then 2 tokens per sequence; each step's split schedule made once, as a model's layers share it
     done = list(prompts)
     for n_new in (1, 1, 2):
         positions = torch.stack([torch.arange(d, d + n_new) for d in done])  # [B, Q]
         x = torch.stack([xs[b][positions[b]] for b in range(2)]).half()
         slot = torch.cat([slots(b, positions[b]) for b in range(2)])
         done = [d + n_new for d in done]
-        out = ours.decode(x, positions, torch.tensor(done, dtype=torch.int32), tables, slot, cache, scales)
+        lens = torch.tensor(done, dtype=torch.int32)
+        step = mla_decode_schedule(cache, tables, lens, num_heads=4, q_per_seq=n_new, cache_scales=scales)
+        out = ours.decode(x, positions, lens, tables, slot, cache, scales, schedule=step)
         for b in range(2):
             check(out[b], b, positions[b])
 
