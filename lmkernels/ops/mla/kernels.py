@@ -654,19 +654,10 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
     return max(1, min(fill, fit, AUTO_MAX_SPLITS))
 
 
-def decode_schedule(shape, cache, seq_lens, max_context, num_splits=None, config=None):
-    """The schedule of a decode step (schedule.py) for queries of `shape` (batch, new tokens, heads), or None where
-    the plan gives one program per sequence (nothing to schedule)."""
-    cfg, _, _, _, slots, min_tiles = decode_plan(shape, cache, max_context, num_splits, config)
-    if slots == shape[0] or 0 in shape:
-        return None
-    return build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles)
-
-
 def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale, num_splits, max_context,
                config=None, schedule=None):
     """q_nope [B, Q, H, 512], q_pe [B, Q, H, 64] → (o [B, Q, H, 512] in q's dtype, lse fp32 [B, Q, H]). schedule:
-    decode_schedule's for these lengths and this plan (built here if None)."""
+    schedule.build_schedule's for these lengths and this plan (api.mla_decode_schedule; built here if None)."""
     batch, n_new, heads, _ = q_nope.shape
     o = torch.empty(batch, n_new, heads, KV_LORA, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(batch, n_new, heads, dtype=torch.float32, device=q_nope.device)
