@@ -26,7 +26,8 @@ def decode(rows, cache="bf16", split=True, cfg=None):
 
 
 def ws(split=True, dtype="bf16"):
-    """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, as mla_decode gives them."""
+    """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, as mla_decode gives them on
+    Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
@@ -35,7 +36,7 @@ def ws(split=True, dtype="bf16"):
                  o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
                  qk_scale="fp32")
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS)
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 

@@ -23,9 +23,10 @@ of one chunk is written to the output directly; the chunks of a longer one write
 slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
 partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
-Gluon kernel's in the query dtype). Where no merge kernel follows the decode kernel is launched with programmatic
-dependent launch (PDL). FP8 cache: tiles are dequantised (value · scale of its group) to the query dtype in
-registers before the dots, the scales loaded once per key and 128-value group.
+Gluon kernel's in the query dtype). The decode kernels are launched with programmatic dependent launch (PDL), so
+that their programs wait on the SMs while the kernel before them drains. FP8 cache: tiles are dequantised (value ·
+scale of its group) to the query dtype in registers before the dots, the scales loaded once per key and 128-value
+group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
 kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
 kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
@@ -538,9 +539,11 @@ FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
 # +7.6%, 8k +1.3%; 8 splits (one row a program) 5.7 → 8.3 µs, so not there
 MERGE_ROWS, MERGE_ROWS_SPLITS, MERGE_ROWS_ELEMS = True, 4, 8
 MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
-# programmatic dependent launch of the decode kernel where no merge kernel follows it (one split, or the fused
-# merge). H100 A/B 2026-11-23 (benchmarks/NOTES.md, issue 6, session e): 16 heads B=32 1k 25.1 → 24.3 µs (+3%),
-# 128 heads B=32 1k +1.5%; in front of the separate merge kernel (8 splits) it cost 0.5% (B=32 8k), so not there
+# programmatic dependent launch of the decode kernels (Triton and Gluon): their programs take the SMs while the
+# kernel before them (the step's schedule, when the call makes it) drains. H100 A/Bs (benchmarks/NOTES.md, issue 6):
+# session e, where no merge kernel follows: 16 heads B=32 1k 25.1 → 24.3 µs, 128 heads B=32 1k +1.5%; session o,
+# everywhere, with the schedule kernel (also PDL) before it: calls that make their own schedule 0.6–2.4 µs faster,
+# a shared schedule ±0.5%. The merge kernel launched so too: +2 µs at B=1 32k, ≤ 1 µs gained elsewhere, so not
 PDL = True
 
 
@@ -674,7 +677,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
     # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and split and splits <= FUSED_MAX_SPLITS and not ws
-    pdl = cfg.pop("PDL", PDL) and (not split or fused) and pdl_enabled(q_nope.device) and not ws
+    pdl = cfg.pop("PDL", PDL) and pdl_enabled(q_nope.device)
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
     # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
     # with 16-bit since session j, when the one-row merge was slower on them)
@@ -693,7 +696,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,
-                      slots)
+                      slots, pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, slots)](

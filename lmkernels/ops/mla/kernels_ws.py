@@ -33,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..._utils import gdc_launch_dependents, gdc_wait
 from .schedule import ROW
 
 BLOCK_M = 64
@@ -330,8 +331,11 @@ def _mla_decode_ws_kernel(
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):
+    if USE_PDL:  # as kernels._mla_decode_kernel
+        gdc_wait()
+        gdc_launch_dependents()
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
     if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
@@ -409,7 +413,8 @@ def supported(cache):
             and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
-def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots):
+def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
+                  pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
     [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
     (schedule.py; slots > batch only)."""
@@ -420,5 +425,5 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}),
     )

@@ -18,11 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._utils import gdc_launch_dependents, gdc_wait, pdl_enabled
+
 ROW = 6
 SCHEDULE_ROW = tl.constexpr(ROW)  # (jit functions read module globals only as constexprs)
 MAX_CHUNKS = 256  # chunks of one sequence at most (what the merge takes)
 SEQ_BLOCK = 256  # sequences per block (the first block stays in registers through the search)
 CANDIDATES = 16  # chunk sizes tested per search round
+PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_kernel)
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -50,10 +53,15 @@ def _max(a, b):
 
 @triton.jit(do_not_specialize=["batch", "slots", "min_tiles"])  # one compile for every batch size
 def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.constexpr,
-                     MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr):
+                     MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the whole schedule (module docstring). The chunk-size search keeps c in [lo, hi] (hi always
     fits: ≤ slots // batch chunks each) and tests K candidates per round, cutting the range K-fold: 16⁴ tiles apart
-    (4M keys at 64 a tile) take 4 rounds; none for a uniform batch."""
+    (4M keys at 64 a tile) take 4 rounds; none for a uniform batch. USE_PDL: launched with programmatic dependent
+    launch: waits for the kernel before it (the lengths), then lets the decode kernel's programs take the other SMs
+    and wait there (this kernel needs one)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     i0 = tl.arange(0, SEQ_BLOCK)
     len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
     total = 0  # key tiles
@@ -139,8 +147,10 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
     """The schedule of seq_lens [B] over `slots` decode programs (≥ B) with key tiles of block_n (module docstring)."""
     batch = seq_lens.shape[0]
     sched = torch.empty(schedule_size(batch, slots), dtype=torch.int32, device=seq_lens.device)
+    pdl = PDL and pdl_enabled(seq_lens.device)
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, min_tiles, BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS,
-                           SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES, num_warps=4)
+                           SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES, USE_PDL=pdl, num_warps=4,
+                           **({"launch_pdl": True} if pdl else {}))
     return sched
 
 
