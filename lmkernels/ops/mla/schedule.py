@@ -56,7 +56,10 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
                      MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the whole schedule (module docstring). The chunk-size search keeps c in [lo, hi] (hi always
     fits: ≤ slots // batch chunks each) and tests K candidates per round, cutting the range K-fold: 16⁴ tiles apart
-    (4M keys at 64 a tile) take 4 rounds; none for a uniform batch. USE_PDL: launched with programmatic dependent
+    (4M keys at 64 a tile) take 4 rounds; none for a uniform batch. Slots → sequences: with ≤ SEQ_BLOCK slots in
+    registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1 everywhere,
+    each sequence's number at its first chunk's slot, a running max), three passes of slots / threads stores, where
+    a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with programmatic dependent
     launch: waits for the kernel before it (the lengths), then lets the decode kernel's programs take the other SMs
     and wait there (this kernel needs one)."""
     if USE_PDL:
@@ -93,54 +96,79 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
         hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
         lo = new_lo
     chunk_keys = hi * BLOCK_N
-    # every slot's sequence first -1 (a spare slot, or not a sequence's first chunk), then each sequence's number at
-    # its first chunk's slot, then a running max over the slots gives every slot its sequence: three passes of
-    # slots / threads stores each, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o)
-    s0 = 0
-    while s0 < slots:
-        tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
-        s0 += SEQ_BLOCK
-    tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
-    done = 0  # slots taken by the sequences before this block
-    merged = 0  # merge-list entries so far
-    b0 = 0
-    while b0 < batch:
-        i, lens = _block_lens(len_ptr, b0, batch, len0)
-        ok = i < batch
-        n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
-        first = done + tl.cumsum(n, 0) - n
-        tl.store(sched_ptr + first * SCHEDULE_ROW, i, mask=ok)
-        several = (ok & (n > 1)).to(tl.int32)
-        entry = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * (merged + tl.cumsum(several, 0) - several)
-        tl.store(entry, i, mask=several > 0)
-        tl.store(entry + 1, first, mask=several > 0)
-        tl.store(entry + 2, n, mask=several > 0)
-        done += tl.sum(n, 0)
-        merged += tl.sum(several, 0)
-        b0 += SEQ_BLOCK
-    tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
-    tl.debug_barrier()
-    seq_before = -1  # the sequence and first chunk of the slot before this block
-    first_before = 0
-    s0 = 0
-    while s0 < done:
-        s = s0 + i0
-        used = s < done
-        row = sched_ptr + s * SCHEDULE_ROW
-        mark = tl.load(row, mask=used, other=-1, cache_modifier=".cg")  # (L2: written by other threads)
-        seq = tl.maximum(tl.associative_scan(mark, 0, _max), seq_before)
-        first = tl.maximum(tl.associative_scan(tl.where(mark >= 0, s, -1), 0, _max), first_before)
-        seq_len = tl.load(len_ptr + seq, mask=used, other=0).to(tl.int32)
-        start = (s - first) * chunk_keys
-        tl.store(row, seq, mask=used)
-        tl.store(row + 1, seq_len, mask=used)
-        tl.store(row + 2, start, mask=used)
-        tl.store(row + 3, tl.minimum(start + chunk_keys, seq_len), mask=used)
-        tl.store(row + 4, tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1), mask=used)
-        tl.store(row + 5, first, mask=used)
-        seq_before = tl.max(seq, 0)
-        first_before = tl.max(first, 0)
-        s0 += SEQ_BLOCK
+    if slots <= SEQ_BLOCK:  # (and so batch ≤ SEQ_BLOCK): every slot's sequence found in registers
+        ok = i0 < batch
+        n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), hi), 1), 0)
+        first = tl.cumsum(n, 0) - n
+        merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i0, first, n, ok, 0)
+        tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
+        # slot s: the number of sequences whose first chunk is at or before s, less one
+        seq = tl.cumsum(tl.histogram(first, SEQ_BLOCK, mask=ok), 0) - 1
+        seq = tl.where(i0 < tl.sum(n, 0), seq, -1)  # past the last chunk: spare
+        own = tl.maximum(seq, 0)
+        _store_slots(sched_ptr + i0 * SCHEDULE_ROW, seq, tl.gather(len0, own, 0), tl.gather(first, own, 0),
+                     tl.gather(n, own, 0), i0, chunk_keys, i0 < slots)
+    else:
+        # every slot's sequence first −1 (a spare slot, or not a sequence's first chunk), then each sequence's
+        # number at its first chunk's slot, then a running max over the slots gives every slot its sequence
+        s0 = 0
+        while s0 < slots:
+            tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
+            s0 += SEQ_BLOCK
+        tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
+        done = 0  # slots taken by the sequences before this block
+        merged = 0  # merge-list entries so far
+        b0 = 0
+        while b0 < batch:
+            i, lens = _block_lens(len_ptr, b0, batch, len0)
+            ok = i < batch
+            n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
+            first = done + tl.cumsum(n, 0) - n
+            tl.store(sched_ptr + first * SCHEDULE_ROW, i, mask=ok)
+            merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, merged)
+            done += tl.sum(n, 0)
+            b0 += SEQ_BLOCK
+        tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
+        tl.debug_barrier()
+        seq_before = -1  # the sequence and first chunk of the slot before this block
+        first_before = 0
+        s0 = 0
+        while s0 < done:
+            s = s0 + i0
+            used = s < done
+            # (.cg, from L2: other threads wrote these)
+            mark = tl.load(sched_ptr + s * SCHEDULE_ROW, mask=used, other=-1, cache_modifier=".cg")
+            seq = tl.maximum(tl.associative_scan(mark, 0, _max), seq_before)
+            first = tl.maximum(tl.associative_scan(tl.where(mark >= 0, s, -1), 0, _max), first_before)
+            seq_len = tl.load(len_ptr + seq, mask=used, other=0).to(tl.int32)
+            _store_slots(sched_ptr + s * SCHEDULE_ROW, seq, seq_len, first,
+                         tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1), s, chunk_keys, used)
+            seq_before = tl.max(seq, 0)
+            first_before = tl.max(first, 0)
+            s0 += SEQ_BLOCK
+
+
+@triton.jit
+def _list_merges(list_ptr, i, first, n, ok, merged):
+    """The sequences of several chunks among i into the merge list (after `merged` entries); returns its length."""
+    several = (ok & (n > 1)).to(tl.int32)
+    entry = list_ptr + 1 + 3 * (merged + tl.cumsum(several, 0) - several)
+    tl.store(entry, i, mask=several > 0)
+    tl.store(entry + 1, first, mask=several > 0)
+    tl.store(entry + 2, n, mask=several > 0)
+    return merged + tl.sum(several, 0)
+
+
+@triton.jit
+def _store_slots(row, seq, seq_len, first, n, slot, chunk_keys, mask):
+    """The schedule rows of these slots: chunk slot − first of sequence seq (n chunks of chunk_keys keys)."""
+    start = (slot - first) * chunk_keys
+    tl.store(row, seq, mask=mask)
+    tl.store(row + 1, seq_len, mask=mask)
+    tl.store(row + 2, start, mask=mask)
+    tl.store(row + 3, tl.minimum(start + chunk_keys, seq_len), mask=mask)
+    tl.store(row + 4, n, mask=mask)
+    tl.store(row + 5, first, mask=mask)
 
 
 def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int) -> torch.Tensor:
