@@ -261,6 +261,8 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     ([32768] + [1024] * 31, 32, 132, 8),  # one long sequence among short ones: 64 chunks of 512 keys for it
     ([8192] + [512] * 127, 32, 132, 8),  # four spare slots: the long one in 5 chunks
     ([1024] * 32, 32, 132, 8),  # uniform: 4 chunks each, as the static split gave
+    ([512] * 5, 32, 8, 16),  # uniform, one chunk each: no merge, three spare slots
+    ([700] * 300, 16, 900, 1),  # uniform over several blocks of slots and sequences: 3 chunks each
     ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1),  # empty and one-key sequences: one chunk each
     ([37], 16, 7, 1),
     ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4),  # more sequences than one SEQ_BLOCK

@@ -59,9 +59,9 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
     (4M keys at 64 a tile) take 4 rounds; none for a uniform batch. Slots → sequences: with ≤ SEQ_BLOCK slots in
     registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1 everywhere,
     each sequence's number at its first chunk's slot, a running max), three passes of slots / threads stores, where
-    a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with programmatic dependent
-    launch: waits for the kernel before it (the lengths), then lets the decode kernel's programs take the other SMs
-    and wait there (this kernel needs one)."""
+    a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with programmatic
+    dependent launch: waits for the kernel before it (the lengths), then lets the decode kernel's programs take the
+    other SMs and wait there (this kernel needs one)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -80,72 +80,93 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
     most = tl.cdiv(longest, BLOCK_N)
     lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
     hi = tl.maximum(lo, tl.cdiv(most, slots // batch))
-    lo = tl.where(longest == shortest, hi, lo)  # uniform: hi is the smallest that fits
-    k = tl.arange(0, K)
-    while lo < hi:
-        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
-        count = tl.zeros([K], tl.int32)
-        b0 = 0
-        while b0 < batch:
-            i, lens = _block_lens(len_ptr, b0, batch, len0)
-            n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
-            count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
-            b0 += SEQ_BLOCK
-        first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
-        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
-        hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
-        lo = new_lo
-    chunk_keys = hi * BLOCK_N
-    if slots <= SEQ_BLOCK:  # (and so batch ≤ SEQ_BLOCK): every slot's sequence found in registers
-        ok = i0 < batch
-        n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), hi), 1), 0)
-        first = tl.cumsum(n, 0) - n
-        merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i0, first, n, ok, 0)
-        tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
-        # slot s: the number of sequences whose first chunk is at or before s, less one
-        seq = tl.cumsum(tl.histogram(first, SEQ_BLOCK, mask=ok), 0) - 1
-        seq = tl.where(i0 < tl.sum(n, 0), seq, -1)  # past the last chunk: spare
-        own = tl.maximum(seq, 0)
-        _store_slots(sched_ptr + i0 * SCHEDULE_ROW, seq, tl.gather(len0, own, 0), tl.gather(first, own, 0),
-                     tl.gather(n, own, 0), i0, chunk_keys, i0 < slots)
+    if longest == shortest:  # uniform: hi is the smallest chunk that fits; a short path (its code is fetched cold)
+        _uniform_slots(sched_ptr, i0, batch, slots, longest, hi, tl.maximum(tl.cdiv(most, hi), 1), BLOCK_N)
     else:
-        # every slot's sequence first −1 (a spare slot, or not a sequence's first chunk), then each sequence's
-        # number at its first chunk's slot, then a running max over the slots gives every slot its sequence
-        s0 = 0
-        while s0 < slots:
-            tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
-            s0 += SEQ_BLOCK
-        tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
-        done = 0  # slots taken by the sequences before this block
-        merged = 0  # merge-list entries so far
-        b0 = 0
-        while b0 < batch:
-            i, lens = _block_lens(len_ptr, b0, batch, len0)
-            ok = i < batch
-            n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
-            first = done + tl.cumsum(n, 0) - n
-            tl.store(sched_ptr + first * SCHEDULE_ROW, i, mask=ok)
-            merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, merged)
-            done += tl.sum(n, 0)
-            b0 += SEQ_BLOCK
-        tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
-        tl.debug_barrier()
-        seq_before = -1  # the sequence and first chunk of the slot before this block
-        first_before = 0
-        s0 = 0
-        while s0 < done:
-            s = s0 + i0
-            used = s < done
-            # (.cg, from L2: other threads wrote these)
-            mark = tl.load(sched_ptr + s * SCHEDULE_ROW, mask=used, other=-1, cache_modifier=".cg")
-            seq = tl.maximum(tl.associative_scan(mark, 0, _max), seq_before)
-            first = tl.maximum(tl.associative_scan(tl.where(mark >= 0, s, -1), 0, _max), first_before)
-            seq_len = tl.load(len_ptr + seq, mask=used, other=0).to(tl.int32)
-            _store_slots(sched_ptr + s * SCHEDULE_ROW, seq, seq_len, first,
-                         tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1), s, chunk_keys, used)
-            seq_before = tl.max(seq, 0)
-            first_before = tl.max(first, 0)
-            s0 += SEQ_BLOCK
+        k = tl.arange(0, K)
+        while lo < hi:
+            cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
+            count = tl.zeros([K], tl.int32)
+            b0 = 0
+            while b0 < batch:
+                i, lens = _block_lens(len_ptr, b0, batch, len0)
+                n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
+                count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
+                b0 += SEQ_BLOCK
+            first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
+            new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
+            hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
+            lo = new_lo
+        chunk_keys = hi * BLOCK_N
+        if slots <= SEQ_BLOCK:  # (and so batch ≤ SEQ_BLOCK): every slot's sequence found in registers
+            ok = i0 < batch
+            n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), hi), 1), 0)
+            first = tl.cumsum(n, 0) - n
+            merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i0, first, n, ok, 0)
+            tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
+            # slot s: the number of sequences whose first chunk is at or before s, less one
+            seq = tl.cumsum(tl.histogram(first, SEQ_BLOCK, mask=ok), 0) - 1
+            seq = tl.where(i0 < tl.sum(n, 0), seq, -1)  # past the last chunk: spare
+            own = tl.maximum(seq, 0)
+            _store_slots(sched_ptr + i0 * SCHEDULE_ROW, seq, tl.gather(len0, own, 0), tl.gather(first, own, 0),
+                         tl.gather(n, own, 0), i0, chunk_keys, i0 < slots)
+        else:
+            # every slot's sequence first −1 (a spare slot, or not a sequence's first chunk), then each sequence's
+            # number at its first chunk's slot, then a running max over the slots gives every slot its sequence
+            s0 = 0
+            while s0 < slots:
+                tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
+                s0 += SEQ_BLOCK
+            tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
+            done = 0  # slots taken by the sequences before this block
+            merged = 0  # merge-list entries so far
+            b0 = 0
+            while b0 < batch:
+                i, lens = _block_lens(len_ptr, b0, batch, len0)
+                ok = i < batch
+                n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
+                first = done + tl.cumsum(n, 0) - n
+                tl.store(sched_ptr + first * SCHEDULE_ROW, i, mask=ok)
+                merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, merged)
+                done += tl.sum(n, 0)
+                b0 += SEQ_BLOCK
+            tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
+            tl.debug_barrier()
+            seq_before = -1  # the sequence and first chunk of the slot before this block
+            first_before = 0
+            s0 = 0
+            while s0 < done:
+                s = s0 + i0
+                used = s < done
+                # (.cg, from L2: other threads wrote these)
+                mark = tl.load(sched_ptr + s * SCHEDULE_ROW, mask=used, other=-1, cache_modifier=".cg")
+                seq = tl.maximum(tl.associative_scan(mark, 0, _max), seq_before)
+                first = tl.maximum(tl.associative_scan(tl.where(mark >= 0, s, -1), 0, _max), first_before)
+                seq_len = tl.load(len_ptr + seq, mask=used, other=0).to(tl.int32)
+                _store_slots(sched_ptr + s * SCHEDULE_ROW, seq, seq_len, first,
+                             tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1), s, chunk_keys, used)
+                seq_before = tl.max(seq, 0)
+                first_before = tl.max(first, 0)
+                s0 += SEQ_BLOCK
+
+
+@triton.jit
+def _uniform_slots(sched_ptr, i0, batch, slots, seq_len, hi, n, BLOCK_N: tl.constexpr):
+    """The schedule of a uniform batch: n chunks of hi tiles per sequence, slot s takes chunk s % n of sequence s // n
+    (spare past batch · n); every sequence in the merge list where n > 1."""
+    s0 = 0
+    while s0 < slots:
+        s = s0 + i0
+        seq = s // n
+        _store_slots(sched_ptr + s * SCHEDULE_ROW, tl.where(seq < batch, seq, -1), seq_len, seq * n, n, s,
+                     hi * BLOCK_N, s < slots)
+        s0 += i0.shape[0]
+    b0 = 0
+    while b0 < tl.where(n > 1, batch, 0):
+        i = b0 + i0
+        _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, i * n, tl.full(i0.shape, n, tl.int32), i < batch, b0)
+        b0 += i0.shape[0]
+    tl.store(sched_ptr + SCHEDULE_ROW * slots, tl.where(n > 1, batch, 0))
 
 
 @triton.jit
