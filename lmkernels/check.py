@@ -243,6 +243,12 @@ def _mla_cases(big, dev, dt):
         yield (f"mla_decode({heads} heads, q {n_new})", qn.shape,
                lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07)[0],
                lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+        if n_new == 1:  # the step's schedule made once, as a model's layers share it
+            step = mla.mla_decode_schedule(cache, tables, seq_lens, num_heads=heads)
+            yield (f"mla_decode({heads} heads, shared schedule)", qn.shape,
+                   lambda qn=qn, qp=qp, step=step: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07,
+                                                                 schedule=step)[0],
+                   lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
 
 
 def cases(device):
