@@ -209,7 +209,7 @@ def test_decode_fake_shapes():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         q_nope, q_pe, cache, scales, tables, seq_lens = fake
         o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32, None)
-        table = api._schedule_op(seq_lens, 32, 9, 1)
+        table = api._schedule_op(seq_lens, 32, 9, 9, 1)
     assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
     assert table.shape == (schedule.schedule_size(2, 9),) and table.dtype == torch.int32
@@ -257,29 +257,36 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
 
 
-@pytest.mark.parametrize("lens,block_n,slots,min_tiles", [
-    ([32768] + [1024] * 31, 32, 132, 8),  # one long sequence among short ones: 64 chunks of 512 keys for it
-    ([8192] + [512] * 127, 32, 132, 8),  # four spare slots: the long one in 5 chunks
-    ([1024] * 32, 32, 132, 8),  # uniform: 4 chunks each, as the static split gave
-    ([512] * 5, 32, 8, 16),  # uniform, one chunk each: no merge, three spare slots
-    ([700] * 300, 16, 900, 1),  # uniform over several blocks of slots and sequences: 3 chunks each
-    ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1),  # empty and one-key sequences: one chunk each
-    ([37], 16, 7, 1),
-    ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4),  # more sequences than one SEQ_BLOCK
-    ([70000, 3], 16, 4, 1),  # a wide search range (4375 tiles)
-    ([300000, 10], 16, 300, 1),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
-    ([1 << 24, 1 << 20, 3], 1, 4, 1),  # a 12M-tile search range (6 rounds): c = 8M
+@pytest.mark.parametrize("lens,block_n,slots,min_tiles,base", [
+    ([32768] + [1024] * 31, 32, 132, 8, None),  # one long sequence among short ones: 64 chunks of 512 keys for it
+    ([8192] + [512] * 127, 32, 132, 8, None),  # four spare slots: the long one in 5 chunks
+    ([8192] + [512] * 127, 32, 264, 8, 132),  # … with a second wave: 16 chunks of 512 keys (busiest SM 32 tiles)
+    ([1024] * 32, 32, 132, 8, None),  # uniform: 4 chunks each, as the static split gave
+    ([1024] * 128, 32, 264, 8, 132),  # uniform with a second wave: a tie (2 × 16 tiles), so one wave of 32
+    ([1024] * 70, 32, 264, 8, 132),  # uniform, 70 on 132: 3 chunks of 11 tiles, two a program, cost more than 32
+    ([8192] * 70, 32, 264, 8, 132),  # … but not 3 chunks of 86: 2 · 86 + 16 < 256
+    ([32768] + [1024] * 31, 32, 264, 8, 132),  # a tie again: one wave
+    ([512] * 5, 32, 8, 16, None),  # uniform, one chunk each: no merge, three spare slots
+    ([700] * 300, 16, 900, 1, None),  # uniform over several blocks of slots and sequences: 3 chunks each
+    ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1, None),  # empty and one-key sequences: one chunk each
+    ([37], 16, 7, 1, None),
+    ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4, None),  # more sequences than one SEQ_BLOCK
+    ([20000] * 2 + [100] * 198, 16, 400, 1, 200),  # a second wave past one SEQ_BLOCK of slots (through the table)
+    ([70000, 3], 16, 4, 1, None),  # a wide search range (4375 tiles)
+    ([300000, 10], 16, 300, 1, None),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
+    ([1 << 24, 1 << 20, 3], 1, 4, 1, None),  # a 12M-tile search range (6 rounds): c = 8M
 ])
-def test_schedule(monkeypatch, lens, block_n, slots, min_tiles):
+def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base):
     """The schedule kernel's table (every slot) and merge list against the plain-Python definition
-    (schedule.split_schedule): the smallest chunk size that fits the slots, chunks numbered in sequence order,
-    every key of every sequence in exactly one chunk, spare slots marked −1, the sequences of several chunks
-    listed in order. The table starts as garbage (torch.empty poisoned)."""
+    (schedule.split_schedule): the smallest chunk size that fits the slots (or, with a second wave, that fits all
+    of them where the busiest SM's tiles drop), chunks numbered in sequence order, every key of every sequence in
+    exactly one chunk, spare slots marked −1, the sequences of several chunks listed in order. The table starts as
+    garbage (torch.empty poisoned)."""
     monkeypatch.setattr(torch, "empty", nan_empty)
-    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles)
+    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles, base)
     rows = sched[:schedule.ROW * slots].view(slots, schedule.ROW).tolist()
     merge = sched[schedule.ROW * slots:].tolist()
-    c, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles)
+    c, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base)
     several = [(i, first, n) for i, (first, n) in enumerate(ranges) if n > 1]
     assert merge[0] == len(several) and merge[1:1 + 3 * len(several)] == [v for e in several for v in e]
     slot = 0
@@ -295,37 +302,41 @@ def test_schedule(monkeypatch, lens, block_n, slots, min_tiles):
 
 def test_uniform_batches_keep_the_heuristic_splits(monkeypatch):
     """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule (H100's
-    132 SMs; 16 to 128 heads, 1–2 tokens, batch 1–256, contexts 1–128k), so only skewed batches change."""
+    132 SMs; 16 to 128 heads, 1–2 tokens, batch 1–256, contexts 1–128k; a second wave of slots, where the plan has
+    one, stays unused), so only skewed batches change."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
             for ctx in (1, 100, 300, 1000, 1024, 8000, 8192, 32768, 131072):
-                cfg, _, _, splits, slots, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+                cfg, _, _, splits, slots, base, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
                 block_n = cfg["BLOCK_N"]
                 chunk = -(-(-(-ctx // splits)) // block_n) * block_n  # the static split's chunk (keys)
-                c, ranges = schedule.split_schedule([ctx] * batch, block_n, slots, min_tiles)
+                c, ranges = schedule.split_schedule([ctx] * batch, block_n, slots, min_tiles, base)
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
 
 
-@pytest.mark.parametrize("heads,n_new", [(16, 1), (16, 2), (128, 1)])
-def test_decode_skewed_batch(monkeypatch, heads, n_new):
+@pytest.mark.parametrize("heads,n_new,lens,want_slots", [
+    (16, 1, [600, 3, 17, 0, 45], 8), (16, 2, [600, 3, 17, 0, 45], 8), (128, 1, [600, 3, 17, 0, 45], 6),
+    (16, 1, [6000, 3, 17], 8),  # one wave of 4 slots and a second one, which the long sequence takes
+])
+def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, want_slots):
     """The default launch on a skewed batch (a 4-SM GPU: one split each, slots rounded up to whole waves, 8 for 5
-    sequences, 6 at two m-blocks), with the step's schedule made once and used by two calls: the long sequence
-    takes the spare slots (several chunks, merged), the others one chunk each, written without a merge; an empty
-    sequence; outputs, partials and the schedule NaN-poisoned, cache rows past each end NaN; the merge counters
-    are reset after each call."""
+    sequences, 6 at two m-blocks; for 3 sequences at 16 rows a second wave), with the step's schedule made once and
+    used by two calls: the long sequence takes the spare slots (several chunks, merged), the others one chunk each,
+    written without a merge; an empty sequence; outputs, partials and the schedule NaN-poisoned, cache rows past
+    each end NaN; the merge counters are reset after each call."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
     monkeypatch.setattr(torch, "empty", nan_empty)
-    lens = [600, 3, 17, 0, 45]
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
     _nan_past_ends(cache, tables, lens, 64)
-    sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=600)
-    batch, block_n, slots, min_tiles = sched.plan
-    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles)
-    assert slots == (6 if heads * n_new > 32 else 8)
-    assert ranges[0][1] > 1 and all(n == 1 for _, n in ranges[1:])
-    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=600,
+    sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=max(lens))
+    batch, block_n, slots, base, min_tiles = sched.plan
+    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base)
+    assert slots == want_slots
+    one_wave = base - (batch - 1)  # chunks the long sequence could take in one wave
+    assert ranges[0][1] > (one_wave if slots > base else 1) and all(n == 1 for _, n in ranges[1:])
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max(lens),
                                         schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
 
 
@@ -360,6 +371,6 @@ def test_gluon_plan_spare_slots(monkeypatch):
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for batch, want_splits, want_slots in ((32, 2, 66), (128, 1, 132)):
-        cfg, ws, m_blocks, splits, slots, _ = kernels.decode_plan((batch, 1, 128), cache, 1024)
+        cfg, ws, m_blocks, splits, slots, *_ = kernels.decode_plan((batch, 1, 128), cache, 1024)
         assert ws and m_blocks == 2
         assert (splits, slots) == (want_splits, want_slots)

@@ -22,7 +22,7 @@ def dry_run(monkeypatch):
     monkeypatch.setattr(timing, "rotation_count", lambda *a, **k: 2)
     monkeypatch.setattr(suite, "PAGE", 16)
     monkeypatch.setattr(suite, "QUICK", ((1, 40, 4, 1), (2, 33, 8, 2), (2, 20, 128, 1)))
-    monkeypatch.setattr(suite, "QUICK_SKEWED", (("1 x 70 + 2 x 20", 70, 20, 2),))
+    monkeypatch.setattr(suite, "QUICK_SKEWED", (("2 x 70 + 2 x 20", 70, 2, 20, 2),))
 
 
 def test_mla_suite_registered():

@@ -17,10 +17,12 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     cfg.pop("WS", None)  # the Triton kernel at the Gluon kernel's rows: decode_config's tiles
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
+    cfg.pop("EXTRA_WAVE", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*bf16", lse_ptr="*fp32", po_ptr="*bf16" if K.FUSED_MERGE else "*fp32", pl_ptr="*fp32",
                  sched_ptr="*i32", cnt_ptr="*i32", qk_scale="fp32")
     cfg.setdefault("FUSED_MERGE", split and K.FUSED_MERGE)
+    cfg.setdefault("WAVES", 1)
     ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", KV_LORA=512, ROPE=64, INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 

@@ -23,14 +23,17 @@ of one chunk is written to the output directly; the chunks of a longer one write
 slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
 partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
-Gluon kernel's in the query dtype). The decode kernels are launched with programmatic dependent launch (PDL), so
-that their programs wait on the SMs while the kernel before them drains. FP8 cache: tiles are dequantised (value ·
-scale of its group) to the query dtype in registers before the dots, the scales loaded once per key and 128-value
-group.
+Gluon kernel's in the query dtype). With a second wave of slots (schedule.py; 16 rows) each program takes two
+slots, one after the other. The Gluon kernel is launched with programmatic dependent launch (PDL), so that its
+programs wait on the SMs while the kernel before them drains; the Triton kernel not (PDL, TRITON_PDL). FP8 cache:
+tiles are dequantised (value · scale of its group) to the query dtype in registers before the dots, the scales
+loaded once per key and 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
 kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
 kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -237,6 +240,7 @@ def _mla_decode_kernel(
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
+    WAVES: tl.constexpr = 1,
 ):
     """Program (m-block, slot). o_ptr [B, Q, H, 512] / lse_ptr [B, Q, H]: the final output (contiguous).
     SPLIT (more slots than sequences): the slot takes the chunk in its row of the schedule sched_ptr (schedule.py:
@@ -244,6 +248,10 @@ def _mla_decode_kernel(
     longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr [slots, Q, H] in the slot's row.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
+    WAVES = 2 (schedule.py's second wave): the program takes slot p, then slot p + its grid's slots, both rows read
+    at its start. One program doing both, not two programs: launched as 2 × 132 programs (2 fit per SM), the 128
+    busy programs of a uniform 16-head batch ran as if two shared an SM (H100, session p: +25–36%); the hardware's
+    placement of programs is not ours to choose.
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
     cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
     output and resets the counter to 0.
@@ -255,21 +263,50 @@ def _mla_decode_kernel(
     m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
     slot = tl.program_id(1)
     if SPLIT:
-        row = sched_ptr + slot * SCHEDULE_ROW  # six loads in one round
-        seq = tl.load(row)
-        seq_len = tl.load(row + 1)
-        start = tl.load(row + 2)
-        end = tl.load(row + 3)
-        n_seq = tl.load(row + 4)
-        first = tl.load(row + 5)
-        if seq < 0:  # a spare slot
-            return
+        seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+        if WAVES == 2:
+            slot_2 = slot + tl.num_programs(1)
+            seq_2, seq_len_2, start_2, end_2, n_seq_2, first_2 = _schedule_row(sched_ptr, slot_2)
     else:
-        seq = slot
-        seq_len = tl.load(len_ptr + seq).to(tl.int32)
-        start = 0
+        seq, seq_len, start, n_seq, first = slot, tl.load(len_ptr + slot).to(tl.int32), 0, 1, slot
         end = seq_len
-        n_seq = 1
+    _decode_chunk(
+        qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
+        stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt, n_new,
+        heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
+        SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE, HALVES)
+    if WAVES == 2:
+        _decode_chunk(
+            qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
+            stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+            n_new, heads, page_size, n_rows, qk_scale, m_block, slot_2, seq_2, seq_len_2, start_2, end_2, n_seq_2,
+            first_2, SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
+            HALVES)
+
+
+@triton.jit
+def _schedule_row(sched_ptr, slot):
+    """The slot's row of the schedule (sequence, its length, first key, end key, its chunks, its first chunk's
+    slot): six loads in one round."""
+    row = sched_ptr + slot * SCHEDULE_ROW
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4),
+            tl.load(row + 5))
+
+
+@triton.jit
+def _decode_chunk(
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
+    stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+    n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, KEYS_MAJOR: tl.constexpr, PAGE_TILE: tl.constexpr,
+    TMA: tl.constexpr, FUSED_MERGE: tl.constexpr, HALVES: tl.constexpr,
+):
+    """Keys [start, end) of sequence seq (of n_seq chunks, the first in slot `first`) for m-block m_block
+    (_mla_decode_kernel); seq −1: a spare slot, nothing to do."""
+    if seq < 0:
+        return
     rows = n_new * heads
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = r // heads
@@ -376,9 +413,12 @@ def _merge_in_kernel(po_ptr, pl_ptr, part, fo_ptr, flse_ptr, final, row_ok, n, r
                      INTERPRET: tl.constexpr):
     """o = Σ_j e^(lse_j − lse) o_j over the n partials of BLOCK_M rows (part: each row's first partial row in
     po_ptr [slots · rows, 512] / pl_ptr; partial j is `rows` rows further) → final rows of fo_ptr / flse_ptr.
-    The LSE BLOCK_S partials per load (an online max), then BLOCK_D columns × one partial per load
-    ([BLOCK_M, BLOCK_D] = 8192 values: the decode loop's registers are free, the tile takes 64 of them a thread
-    at 4 warps). The loads bypass L1: other SMs wrote these."""
+    The LSE BLOCK_S partials per load (an online max), then BLOCK_D columns × one partial a round, two at 16 rows
+    ([BLOCK_M, BLOCK_D] = 8192 values each: the decode loop's registers are free, a tile takes 64 of them a thread
+    at 4 warps; H100, session p: 1 × 32k + 31 × 1k at 16 heads, 64 partials, −6%; at 32 rows, where the decode loop
+    already takes 255 registers, two a round spilled and cost an FP8 row 5%). The loads bypass L1: other SMs wrote
+    these."""
+    PER_ROUND: tl.constexpr = 2 if BLOCK_M <= 16 else 1
     s = tl.arange(0, BLOCK_S)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
@@ -401,20 +441,36 @@ def _merge_in_kernel(po_ptr, pl_ptr, part, fo_ptr, flse_ptr, final, row_ok, n, r
         if INTERPRET:  # the interpreter cannot take tensor range() bounds
             j = 0
             while j < n:
-                acc += _weighted_partial(po_ptr, pl_ptr, part + j * rows, m_safe, t_safe, d, row_ok, KV_LORA)
-                j += 1
+                acc = _add_partials(acc, po_ptr, pl_ptr, part, j, n, rows, m_safe, t_safe, d, row_ok, KV_LORA,
+                                    PER_ROUND)
+                j += PER_ROUND
         else:
-            for j in range(0, n):
-                acc += _weighted_partial(po_ptr, pl_ptr, part + j * rows, m_safe, t_safe, d, row_ok, KV_LORA)
+            for j in range(0, n, PER_ROUND):
+                acc = _add_partials(acc, po_ptr, pl_ptr, part, j, n, rows, m_safe, t_safe, d, row_ok, KV_LORA,
+                                    PER_ROUND)
         tl.store(fo_ptr + final[:, None] * KV_LORA + d[None, :], acc.to(fo_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
+def _add_partials(acc, po_ptr, pl_ptr, part, j, n, rows, m_safe, t_safe, d, row_ok, KV_LORA: tl.constexpr,
+                  PER_ROUND: tl.constexpr):
+    """acc + partial j (and j + 1 if < n, with PER_ROUND = 2), weighted: both loaded before either is used, so that a
+    round costs one trip to L2, not two (a skewed batch's long sequence merges up to 256 partials here)."""
+    o_a, w_a = _weighted_partial(po_ptr, pl_ptr, part + j * rows, m_safe, t_safe, d, row_ok, KV_LORA)
+    if PER_ROUND == 2:
+        o_b, w_b = _weighted_partial(po_ptr, pl_ptr, part + (j + 1) * rows, m_safe, t_safe, d, row_ok & (j + 1 < n),
+                                     KV_LORA)
+        acc += o_b.to(tl.float32) * w_b[:, None]
+    return acc + o_a.to(tl.float32) * w_a[:, None]
+
+
+@triton.jit
 def _weighted_partial(po_ptr, pl_ptr, row, m_safe, t_safe, d, row_ok, KV_LORA: tl.constexpr):
+    """(o, weight) of one partial's rows (masked rows: 0, 0)."""
     w = tl.exp(tl.load(pl_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe) / t_safe
     o_j = tl.load(po_ptr + row[:, None] * KV_LORA + d[None, :], mask=row_ok[:, None], other=0.0,
                   cache_modifier=".cg")
-    return o_j.to(tl.float32) * w[:, None]
+    return o_j, w
 
 
 @triton.jit
@@ -543,8 +599,11 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # kernel before them (the step's schedule, when the call makes it) drains. H100 A/Bs (benchmarks/NOTES.md, issue 6):
 # session e, where no merge kernel follows: 16 heads B=32 1k 25.1 → 24.3 µs, 128 heads B=32 1k +1.5%; session o,
 # everywhere, with the schedule kernel (also PDL) before it: calls that make their own schedule 0.6–2.4 µs faster,
-# a shared schedule ±0.5%. The merge kernel launched so too: +2 µs at B=1 32k, ≤ 1 µs gained elsewhere, so not
-PDL = True
+# a shared schedule ±0.5%. The merge kernel launched so too: +2 µs at B=1 32k, ≤ 1 µs gained elsewhere, so not.
+# The Triton kernel not (TRITON_PDL), since session p: two of its programs fit on an SM, and launched early next to
+# a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
+# with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
+PDL, TRITON_PDL = True, False
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -561,7 +620,8 @@ def decode_config(rows: int, fp8: bool = False):
     16 rows (16 heads, one token): 16×32 rows-major halves, 4 warps, 5 stages, pointer tiles (session l: +2–4%
     over keys-major whole tiles, +10% at B=1 8k; the Gluon kernel, padded to 64 rows, is within ±1% at 32k and
     3% slower at B=32 8k, so 16 rows no longer take it), 197 registers: 2 programs fit per SM, but splits are
-    sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge);
+    sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge), with a
+    second wave of slots for skewed batches at one split a sequence (EXTRA_WAVE, decode_plan);
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major halves, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
     rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM; halves −1–4%).
@@ -588,19 +648,32 @@ def decode_config(rows: int, fp8: bool = False):
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
                     PROGRAMS_PER_SM=2, WS=True)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1,
+                EXTRA_WAVE=True)
 
 
-def decode_plan(shape, cache, max_context, num_splits=None, config=None):
-    """The launch of a decode call on queries of `shape` (batch, new tokens, heads) over `cache`: (config, Gluon
-    kernel or not, m-blocks, splits, chunk slots, smallest chunk in key tiles). The Gluon kernel (WS, where
-    decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64 keys,
-    one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the grid
-    is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
+class DecodePlan(NamedTuple):
+    """The launch of a decode call (decode_plan)."""
+    cfg: dict  # the kernel's launch parameters
+    ws: bool  # the Gluon kernel
+    m_blocks: int
+    splits: int  # the heuristic's (or the caller's) programs per sequence
+    slots: int  # chunk slots per m-block: the grid is m_blocks × slots
+    base: int  # one wave of them; more slots (a second wave) are for skewed batches (schedule.py)
+    min_tiles: int  # the smallest chunk, in key tiles
+
+
+def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> DecodePlan:
+    """The launch of a decode call on queries of `shape` (batch, new tokens, heads) over `cache`. The Gluon kernel
+    (WS, where decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64
+    keys, one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the
+    grid is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
     device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
-    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch); smallest chunk: the
-    heuristic's chunk (max_context / splits) where keys set the split count, else down to min_keys. A uniform batch
-    at max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave // batch and
+    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch); with EXTRA_WAVE (2
+    programs fit per SM, the splits sized for 1) and one split a sequence in one wave, a second wave of slots, which
+    the schedule uses only where a skewed batch gains from it (base: the one wave). Smallest chunk: the heuristic's
+    chunk (max_context / splits) where keys set the split count, else down to min_keys. A uniform batch at
+    max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave // batch and
     slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the smallest
     chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes). A caller's
     num_splits: slots = batch × num_splits, any chunk size."""
@@ -611,13 +684,14 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None):
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
-        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
+        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1, EXTRA_WAVE=False)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    extra_wave = cfg.pop("EXTRA_WAVE", False)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     block_n = cfg["BLOCK_N"]
     if num_splits:
-        return cfg, ws, m_blocks, num_splits, batch * num_splits, 1
+        return DecodePlan(cfg, ws, m_blocks, num_splits, batch * num_splits, batch * num_splits, 1)
     num_sms = sm_count(cache.device)
     splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
@@ -626,7 +700,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None):
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
-    return cfg, ws, m_blocks, splits, slots, min_tiles
+    extra = wave if extra_wave and splits == 1 and slots == wave else 0
+    return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, min_tiles)
 
 
 def _ws_supported(cache):
@@ -667,8 +742,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg, ws, m_blocks, splits, slots, min_tiles = decode_plan((batch, n_new, heads), cache, max_context, num_splits,
-                                                              config)
+    cfg, ws, m_blocks, splits, slots, base, min_tiles = decode_plan((batch, n_new, heads), cache, max_context,
+                                                                    num_splits, config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
@@ -677,7 +752,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
     # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and split and splits <= FUSED_MAX_SPLITS and not ws
-    pdl = cfg.pop("PDL", PDL) and pdl_enabled(q_nope.device)
+    pdl = cfg.pop("PDL", PDL if ws else TRITON_PDL) and pdl_enabled(q_nope.device)
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
     # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
     # with 16-bit since session j, when the one-row merge was slower on them)
@@ -688,7 +763,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if split:
         part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
         part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
-        sched = build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles) if schedule is None else schedule
+        sched = schedule if schedule is not None else build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles, base)
         if sched.shape != (schedule_size(batch, slots),):
             raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots) needs "
                              f"{schedule_size(batch, slots)}")
@@ -699,11 +774,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
                       slots, pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
-        _mla_decode_kernel[(m_blocks, slots)](
+        waves = 2 if slots > base else 1  # (a second wave: each program takes two slots)
+        _mla_decode_kernel[(m_blocks, slots // waves)](
             q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
             n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, SPLIT=split, FP8=fp8,
-            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, **cfg,
+            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, WAVES=waves, **cfg,
             **({"launch_pdl": True} if pdl else {}),
         )
     if split and not fused:

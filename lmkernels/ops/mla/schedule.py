@@ -10,6 +10,12 @@ decode_num_splits's static split. Shapes decide the launch (slots); only the tab
 graphs capture both kernels. The decode kernels once found their chunk themselves, each program repeating the
 search: that cost ~3.6 µs a program in the Gluon kernel (H100, benchmarks/NOTES.md, issue 6, session n).
 
+A second wave: where the launch was sized for one wave of `base` programs (one a sequence), it may hold more slots
+than base, each program taking slot p and then p + base (kernels.py). The schedule then also finds c₂, the smallest
+c that fits all the slots, and takes it only where the busiest program's work drops: w · c₂ + (w − 1) · SWITCH_KEYS
+(in tiles) < c, with w = ⌈Σnᵢ / base⌉ chunks a program. So a long sequence among many short ones no longer runs in
+a few long chunks on the first wave's spare programs; a uniform batch of short sequences keeps one wave.
+
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
 its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
 (sequence, first chunk's slot, chunks) for each sequence of several chunks, in order."""
@@ -26,6 +32,11 @@ MAX_CHUNKS = 256  # chunks of one sequence at most (what the merge takes)
 SEQ_BLOCK = 256  # sequences per block (the first block stays in registers through the search)
 CANDIDATES = 16  # chunk sizes tested per search round
 PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_kernel)
+# what a program's next chunk costs beyond its keys (its q load and pipeline fill, its partial and merge), in keys.
+# H100, 16 heads (benchmarks/NOTES.md, issue 6, session p): a uniform batch of 70 × 1k in 210 chunks of 352 keys,
+# two a program, took as long as 70 whole sequences (51.6 against 50.7 µs), so ≥ 320 keys; 1 × 8k + 127 × 512 in
+# 512-key chunks (two a program, against 1664 keys in one wave) was 25% faster, so < 640
+SWITCH_KEYS = 512
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -51,17 +62,53 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit(do_not_specialize=["batch", "slots", "min_tiles"])  # one compile for every batch size
-def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.constexpr,
-                     MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """One program writes the whole schedule (module docstring). The chunk-size search keeps c in [lo, hi] (hi always
-    fits: ≤ slots // batch chunks each) and tests K candidates per round, cutting the range K-fold: 16⁴ tiles apart
-    (4M keys at 64 a tile) take 4 rounds; none for a uniform batch. Slots → sequences: with ≤ SEQ_BLOCK slots in
-    registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1 everywhere,
-    each sequence's number at its first chunk's slot, a running max), three passes of slots / threads stores, where
-    a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with programmatic
-    dependent launch: waits for the kernel before it (the lengths), then lets the decode kernel's programs take the
-    other SMs and wait there (this kernel needs one)."""
+@triton.jit
+def _chunk_counts(len_ptr, batch, len0, cand, BLOCK_N: tl.constexpr):
+    """Σᵢ max(1, ⌈tilesᵢ / c⌉) for each chunk size c of cand [K]."""
+    count = tl.zeros(cand.shape, tl.int32)
+    b0 = 0
+    while b0 < batch:
+        i, lens = _block_lens(len_ptr, b0, batch, len0)
+        n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
+        count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
+        b0 += len0.shape[0]
+    return count
+
+
+@triton.jit
+def _smallest_fit(len_ptr, batch, len0, lo, hi, slots, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The smallest chunk size c in [lo, hi] whose chunks fit the slots (hi fits: ≤ slots // batch chunks each), K
+    candidates a round, each round cutting the range K-fold: 16⁴ tiles apart (4M keys at 64 a tile) take 4 rounds."""
+    k = tl.arange(0, K)
+    while lo < hi:
+        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
+        count = _chunk_counts(len_ptr, batch, len0, cand, BLOCK_N)
+        first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
+        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
+        hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
+        lo = new_lo
+    return hi
+
+
+@triton.jit
+def _busiest(c, chunks, base, switch):
+    """The busiest program's work, in tiles, for `chunks` chunks of ≤ c tiles over `base` programs (the second wave's
+    cost rule: module docstring)."""
+    waves = tl.cdiv(chunks, base)
+    return waves * c + (waves - 1) * switch
+
+
+@triton.jit(do_not_specialize=["batch", "slots", "base", "min_tiles"])  # one compile for every batch size
+def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, min_tiles, BLOCK_N: tl.constexpr,
+                     MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, SWITCH: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    """One program writes the whole schedule (module docstring; base = slots: no second wave). The chunk-size search
+    keeps c in [lo, hi] (_smallest_fit); none for a uniform batch. Slots → sequences: where the chunks fit SEQ_BLOCK
+    slots, in registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1
+    everywhere, each sequence's number at its first chunk's slot, a running max), three passes of slots / threads
+    stores, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with
+    programmatic dependent launch: waits for the kernel before it (the lengths), then lets the decode kernel's
+    programs take the other SMs and wait there (this kernel needs one)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -78,29 +125,34 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
         shortest = tl.minimum(shortest, tl.min(tl.where(i < batch, lens, 1 << 30), 0))
         b0 += SEQ_BLOCK
     most = tl.cdiv(longest, BLOCK_N)
-    lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, slots)), tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
-    hi = tl.maximum(lo, tl.cdiv(most, slots // batch))
-    if longest == shortest:  # uniform: hi is the smallest chunk that fits; a short path (its code is fetched cold)
-        _uniform_slots(sched_ptr, i0, batch, slots, longest, hi, tl.maximum(tl.cdiv(most, hi), 1), BLOCK_N)
+    floor = tl.maximum(min_tiles, tl.maximum(tl.cdiv(most, MAX_CHUNKS), 1))
+    if longest == shortest:  # uniform: ⌈most / chunks each⌉ is the smallest chunk that fits; a short path (its code
+        # is fetched cold)
+        c = tl.maximum(floor, tl.cdiv(most, base // batch))
+        c_all = tl.maximum(floor, tl.cdiv(most, slots // batch))
+        chunks = batch * tl.maximum(tl.cdiv(most, c_all), 1)
+        c = tl.where(_busiest(c_all, chunks, base, SWITCH) < c, c_all, c)
+        _uniform_slots(sched_ptr, i0, batch, slots, longest, c, tl.maximum(tl.cdiv(most, c), 1), BLOCK_N)
     else:
-        k = tl.arange(0, K)
-        while lo < hi:
-            cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
-            count = tl.zeros([K], tl.int32)
-            b0 = 0
-            while b0 < batch:
-                i, lens = _block_lens(len_ptr, b0, batch, len0)
-                n = tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N)[:, None], cand[None, :]), 1)
-                count += tl.sum(tl.where((i < batch)[:, None], n, 0), 0)
-                b0 += SEQ_BLOCK
-            first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
-            new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
-            hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
-            lo = new_lo
-        chunk_keys = hi * BLOCK_N
-        if slots <= SEQ_BLOCK:  # (and so batch ≤ SEQ_BLOCK): every slot's sequence found in registers
-            ok = i0 < batch
-            n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), hi), 1), 0)
+        lo = tl.maximum(floor, tl.cdiv(total, base))
+        c = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, base // batch)), base, K, BLOCK_N)
+        lo = tl.maximum(floor, tl.cdiv(total, slots))
+        if (slots > base) & (2 * lo + SWITCH < c):  # the second wave, where it can lower the busiest program's work
+            c_all = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, slots // batch)), slots, K,
+                                  BLOCK_N)
+            chunks = tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c_all, tl.int32), BLOCK_N), 0)
+            c = tl.where(_busiest(c_all, chunks, base, SWITCH) < c, c_all, c)
+        chunk_keys = c * BLOCK_N
+        ok = i0 < batch
+        n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), c), 1), 0)  # (block 0)
+        in_registers = (batch <= SEQ_BLOCK) & (tl.sum(n, 0) <= SEQ_BLOCK)
+        # spare first: the slots past the first block (in registers), or every slot's sequence −1 (through the table:
+        # a spare slot, or not a sequence's first chunk)
+        s0 = tl.where(in_registers, SEQ_BLOCK, 0)
+        while s0 < slots:
+            tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
+            s0 += SEQ_BLOCK
+        if in_registers:  # every slot's sequence found in registers
             first = tl.cumsum(n, 0) - n
             merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i0, first, n, ok, 0)
             tl.store(sched_ptr + SCHEDULE_ROW * slots, merged)
@@ -111,12 +163,8 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
             _store_slots(sched_ptr + i0 * SCHEDULE_ROW, seq, tl.gather(len0, own, 0), tl.gather(first, own, 0),
                          tl.gather(n, own, 0), i0, chunk_keys, i0 < slots)
         else:
-            # every slot's sequence first −1 (a spare slot, or not a sequence's first chunk), then each sequence's
-            # number at its first chunk's slot, then a running max over the slots gives every slot its sequence
-            s0 = 0
-            while s0 < slots:
-                tl.store(sched_ptr + (s0 + i0) * SCHEDULE_ROW, tl.full([SEQ_BLOCK], -1, tl.int32), mask=s0 + i0 < slots)
-                s0 += SEQ_BLOCK
+            # then each sequence's number at its first chunk's slot, then a running max over the slots gives every
+            # slot its sequence
             tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
             done = 0  # slots taken by the sequences before this block
             merged = 0  # merge-list entries so far
@@ -124,7 +172,7 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
             while b0 < batch:
                 i, lens = _block_lens(len_ptr, b0, batch, len0)
                 ok = i < batch
-                n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), hi), 1), 0)
+                n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), c), 1), 0)
                 first = done + tl.cumsum(n, 0) - n
                 tl.store(sched_ptr + first * SCHEDULE_ROW, i, mask=ok)
                 merged = _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, merged)
@@ -144,22 +192,22 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, min_tiles, BLOCK_N: tl.co
                 first = tl.maximum(tl.associative_scan(tl.where(mark >= 0, s, -1), 0, _max), first_before)
                 seq_len = tl.load(len_ptr + seq, mask=used, other=0).to(tl.int32)
                 _store_slots(sched_ptr + s * SCHEDULE_ROW, seq, seq_len, first,
-                             tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), hi), 1), s, chunk_keys, used)
+                             tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), c), 1), s, chunk_keys, used)
                 seq_before = tl.max(seq, 0)
                 first_before = tl.max(first, 0)
                 s0 += SEQ_BLOCK
 
 
 @triton.jit
-def _uniform_slots(sched_ptr, i0, batch, slots, seq_len, hi, n, BLOCK_N: tl.constexpr):
-    """The schedule of a uniform batch: n chunks of hi tiles per sequence, slot s takes chunk s % n of sequence s // n
+def _uniform_slots(sched_ptr, i0, batch, slots, seq_len, c, n, BLOCK_N: tl.constexpr):
+    """The schedule of a uniform batch: n chunks of c tiles per sequence, slot s takes chunk s % n of sequence s // n
     (spare past batch · n); every sequence in the merge list where n > 1."""
     s0 = 0
     while s0 < slots:
         s = s0 + i0
         seq = s // n
         _store_slots(sched_ptr + s * SCHEDULE_ROW, tl.where(seq < batch, seq, -1), seq_len, seq * n, n, s,
-                     hi * BLOCK_N, s < slots)
+                     c * BLOCK_N, s < slots)
         s0 += i0.shape[0]
     b0 = 0
     while b0 < tl.where(n > 1, batch, 0):
@@ -192,34 +240,45 @@ def _store_slots(row, seq, seq_len, first, n, slot, chunk_keys, mask):
     tl.store(row + 5, first, mask=mask)
 
 
-def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int) -> torch.Tensor:
-    """The schedule of seq_lens [B] over `slots` decode programs (≥ B) with key tiles of block_n (module docstring)."""
+def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int, base: int = None) -> torch.Tensor:
+    """The schedule of seq_lens [B] over `slots` decode programs (≥ B) with key tiles of block_n, one wave of them
+    `base` (< slots: a second wave for skewed batches; module docstring)."""
     batch = seq_lens.shape[0]
     sched = torch.empty(schedule_size(batch, slots), dtype=torch.int32, device=seq_lens.device)
     pdl = PDL and pdl_enabled(seq_lens.device)
-    _schedule_kernel[(1,)](seq_lens, sched, batch, slots, min_tiles, BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS,
-                           SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES, USE_PDL=pdl, num_warps=4,
+    _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base or slots, min_tiles, BLOCK_N=block_n,
+                           MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
+                           SWITCH=triton.cdiv(SWITCH_KEYS, block_n), USE_PDL=pdl, num_warps=4,
                            **({"launch_pdl": True} if pdl else {}))
     return sched
 
 
-def split_schedule(seq_lens, block_n, slots, min_tiles, max_chunks=MAX_CHUNKS):
+def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, max_chunks=MAX_CHUNKS):
     """The schedule's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles,
     [(first chunk, chunks)] per sequence)."""
     tiles = [-(-int(n) // block_n) for n in seq_lens]
+    base = base or slots
 
-    def fits(c):
-        return sum(max(1, -(-t // c)) for t in tiles) <= slots
+    def used(c):
+        return sum(max(1, -(-t // c)) for t in tiles)
 
-    most = max(tiles, default=0)
-    lo = max(1, min_tiles, -(-sum(tiles) // slots), -(-most // max_chunks))
-    hi = max(lo, -(-most // (slots // len(tiles))))
-    while lo < hi:  # the smallest c that fits (c = the longest sequence always does: slots ≥ batch)
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    def smallest_fit(n_slots):  # c = the longest sequence always fits: slots ≥ batch
+        most = max(tiles, default=0)
+        lo = max(1, min_tiles, -(-sum(tiles) // n_slots), -(-most // max_chunks))
+        hi = max(lo, -(-most // (n_slots // len(tiles))))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if used(mid) <= n_slots else (mid + 1, hi)
+        return lo
+
+    c = smallest_fit(base)
+    if slots > base:  # the second wave where the busiest program's work drops
+        c_all = smallest_fit(slots)
+        waves = -(-used(c_all) // base)
+        c = c_all if waves * c_all + (waves - 1) * -(-SWITCH_KEYS // block_n) < c else c
     ranges, first = [], 0
     for t in tiles:
-        n = max(1, -(-t // lo))
+        n = max(1, -(-t // c))
         ranges.append((first, n))
         first += n
-    return lo, ranges
+    return c, ranges
