@@ -209,7 +209,7 @@ def test_decode_fake_shapes():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         q_nope, q_pe, cache, scales, tables, seq_lens = fake
         o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32, None)
-        table = api._schedule_op(seq_lens, 32, 9, 9, 1)
+        table = api._schedule_op(seq_lens, 32, 9, 9, 9, 1)
     assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
     assert table.shape == (schedule.schedule_size(2, 9),) and table.dtype == torch.int32
@@ -257,36 +257,41 @@ def test_warp_specialised_kernel_chosen_for_hopper_only():
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
 
 
-@pytest.mark.parametrize("lens,block_n,slots,min_tiles,base", [
-    ([32768] + [1024] * 31, 32, 132, 8, None),  # one long sequence among short ones: 64 chunks of 512 keys for it
-    ([8192] + [512] * 127, 32, 132, 8, None),  # four spare slots: the long one in 5 chunks
-    ([8192] + [512] * 127, 32, 264, 8, 132),  # … with a second wave: 16 chunks of 512 keys (busiest SM 32 tiles)
-    ([1024] * 32, 32, 132, 8, None),  # uniform: 4 chunks each, as the static split gave
-    ([1024] * 128, 32, 264, 8, 132),  # uniform with a second wave: a tie (2 × 16 tiles), so one wave of 32
-    ([1024] * 70, 32, 264, 8, 132),  # uniform, 70 on 132: 3 chunks of 11 tiles, two a program, cost more than 32
-    ([8192] * 70, 32, 264, 8, 132),  # … but not 3 chunks of 86: 2 · 86 + 16 < 256
-    ([32768] + [1024] * 31, 32, 264, 8, 132),  # a tie again: one wave
-    ([512] * 5, 32, 8, 16, None),  # uniform, one chunk each: no merge, three spare slots
-    ([700] * 300, 16, 900, 1, None),  # uniform over several blocks of slots and sequences: 3 chunks each
-    ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1, None),  # empty and one-key sequences: one chunk each
-    ([37], 16, 7, 1, None),
-    ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4, None),  # more sequences than one SEQ_BLOCK
-    ([20000] * 2 + [100] * 198, 16, 400, 1, 200),  # a second wave past one SEQ_BLOCK of slots (through the table)
-    ([70000, 3], 16, 4, 1, None),  # a wide search range (4375 tiles)
-    ([300000, 10], 16, 300, 1, None),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
-    ([1 << 24, 1 << 20, 3], 1, 4, 1, None),  # a 12M-tile search range (6 rounds): c = 8M
+@pytest.mark.parametrize("lens,block_n,slots,min_tiles,base,wave", [
+    ([32768] + [1024] * 31, 32, 132, 8, None, None),  # one long sequence among short ones: 64 chunks of 512 keys
+    ([8192] + [512] * 127, 32, 132, 8, None, None),  # four spare slots: the long one in 5 chunks
+    ([8192] + [512] * 127, 32, 264, 8, 132, None),  # … with a second wave: 16 chunks of 512 keys (busiest 32 tiles)
+    ([1024] * 32, 32, 132, 8, None, None),  # uniform: 4 chunks each, as the static split gave
+    ([1024] * 128, 32, 264, 8, 132, None),  # uniform with a second wave: a tie (2 × 16 tiles), so one wave of 32
+    ([1024] * 70, 32, 264, 8, 132, None),  # uniform, 70 on 132: 3 chunks of 11 tiles, two a slot, cost more than 32
+    ([8192] * 70, 32, 264, 8, 132, None),  # … but not 3 chunks of 86: 2 · 86 + 16 < 256
+    ([32768] + [1024] * 31, 32, 264, 8, 132, None),  # a tie again: one wave
+    ([512] * 5, 32, 8, 16, None, None),  # uniform, one chunk each: no merge, three spare slots
+    ([700] * 300, 16, 900, 1, None, None),  # uniform over several blocks of slots and sequences: 3 chunks each
+    ([0, 1, 0, 77, 5000, 64, 65, 3000, 1, 2], 64, 40, 1, None, None),  # empty and one-key sequences: one chunk
+    ([37], 16, 7, 1, None, None),
+    ([5000 + 997 * i % 4099 for i in range(300)], 64, 340, 4, None, None),  # more sequences than one SEQ_BLOCK
+    ([20000] * 2 + [100] * 198, 16, 400, 1, 200, None),  # a second wave past SEQ_BLOCK slots (through the table)
+    ([70000, 3], 16, 4, 1, None, None),  # a wide search range (4375 tiles)
+    ([300000, 10], 16, 300, 1, None, None),  # ≥ 256 chunks wanted: MAX_CHUNKS keeps c ≥ 74 tiles
+    ([1 << 24, 1 << 20, 3], 1, 4, 1, None, None),  # a 12M-tile search range (6 rounds): c = 8M
+    ([4096] * 8 + [256] * 120, 64, 198, 4, 132, 66),  # the Gluon plan at 128 heads: 66 slots at once, 2 waves + 1
+    ([1024] * 128, 64, 198, 4, 132, 66),  # … uniform: the base
+    ([8192] + [512] * 127, 64, 198, 4, 132, 66),  # … a third wave of 8-tile chunks would cost more: the base
+    ([8192] * 133, 64, 396, 4, 264, 132),  # … 132 + 1 sequences: 2 chunks each over three waves
 ])
-def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base):
+def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base, wave):
     """The schedule kernel's table (every slot) and merge list against the plain-Python definition
-    (schedule.split_schedule): the smallest chunk size that fits the slots (or, with a second wave, that fits all
-    of them where the busiest SM's tiles drop), chunks numbered in sequence order, every key of every sequence in
+    (schedule.split_schedule): the smallest chunk size that fits the slots (or, with an extra wave, that fits all
+    of them where the busiest slot's work drops), chunks numbered in sequence order, every key of every sequence in
     exactly one chunk, spare slots marked −1, the sequences of several chunks listed in order. The table starts as
     garbage (torch.empty poisoned)."""
     monkeypatch.setattr(torch, "empty", nan_empty)
-    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles, base)
+    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles, base,
+                                    wave)
     rows = sched[:schedule.ROW * slots].view(slots, schedule.ROW).tolist()
     merge = sched[schedule.ROW * slots:].tolist()
-    c, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base)
+    c, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base, wave)
     several = [(i, first, n) for i, (first, n) in enumerate(ranges) if n > 1]
     assert merge[0] == len(several) and merge[1:1 + 3 * len(several)] == [v for e in several for v in e]
     slot = 0
@@ -300,19 +305,23 @@ def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base):
     assert all(rows[s][0] == -1 for s in range(slot, slots))  # spare slots
 
 
-def test_uniform_batches_keep_the_heuristic_splits(monkeypatch):
-    """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule (H100's
-    132 SMs; 16 to 128 heads, 1–2 tokens, batch 1–256, contexts 1–128k; a second wave of slots, where the plan has
-    one, stays unused), so only skewed batches change."""
+@pytest.mark.parametrize("gluon", [False, True])
+def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
+    """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule over the
+    plan's base slots (H100's 132 SMs; the Triton and the Gluon kernel's plans; 16 to 128 heads, 1–2 tokens, batch
+    1–256, contexts 1–128k). Where the plan has an extra wave, the cost rule may take it instead (B=70 at 8k: 3
+    chunks each rather than 70 programs on 132 SMs; test_schedule)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: not gluon)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: gluon)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
             for ctx in (1, 100, 300, 1000, 1024, 8000, 8192, 32768, 131072):
-                cfg, _, _, splits, slots, base, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+                cfg, _, _, splits, _, base, _, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
                 block_n = cfg["BLOCK_N"]
                 chunk = -(-(-(-ctx // splits)) // block_n) * block_n  # the static split's chunk (keys)
-                c, ranges = schedule.split_schedule([ctx] * batch, block_n, slots, min_tiles, base)
+                c, ranges = schedule.split_schedule([ctx] * batch, block_n, base, min_tiles)
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
 
 
@@ -331,8 +340,8 @@ def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, want_slots):
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
     _nan_past_ends(cache, tables, lens, 64)
     sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=max(lens))
-    batch, block_n, slots, base, min_tiles = sched.plan
-    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base)
+    batch, block_n, slots, base, wave, min_tiles = sched.plan
+    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base, wave)
     assert slots == want_slots
     one_wave = base - (batch - 1)  # chunks the long sequence could take in one wave
     assert ranges[0][1] > (one_wave if slots > base else 1) and all(n == 1 for _, n in ranges[1:])
@@ -365,12 +374,13 @@ def test_decode_schedule_checks():
 
 def test_gluon_plan_spare_slots(monkeypatch):
     """The Gluon kernel's launch (as on an H100: 132 SMs) rounds the slots up to whole waves of 66 programs (two
-    m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132)."""
+    m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and one
+    wave more for skewed batches: 198)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
-    for batch, want_splits, want_slots in ((32, 2, 66), (128, 1, 132)):
-        cfg, ws, m_blocks, splits, slots, *_ = kernels.decode_plan((batch, 1, 128), cache, 1024)
+    for batch, want_splits, want_slots in ((32, 2, (66, 66, 66)), (128, 1, (198, 132, 66))):
+        cfg, ws, m_blocks, splits, slots, base, wave, _ = kernels.decode_plan((batch, 1, 128), cache, 1024)
         assert ws and m_blocks == 2
-        assert (splits, slots) == (want_splits, want_slots)
+        assert (splits, (slots, base, wave)) == (want_splits, want_slots)

@@ -343,8 +343,8 @@ def decode_case(batch, ctx, heads, n_new):
     if _flex_wanted(batch, ctx, heads, n_new, dev):
         peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
-    cfg, ws, m_blocks, splits, slots, one_wave, _ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
-    programs = f"{one_wave} programs" + (f" (two slots each)" if slots > one_wave else "")
+    cfg, ws, m_blocks, splits, slots, base_slots, _, _ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
+    programs = f"{base_slots} slots" + (f" (+ {slots - base_slots} for skewed batches)" if slots > base_slots else "")
     if ws:
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:

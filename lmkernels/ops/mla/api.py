@@ -156,14 +156,15 @@ def _(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, n
 
 
 @torch.library.custom_op("lmkernels::mla_decode_schedule", mutates_args=())
-def _schedule_op(seq_lens: torch.Tensor, block_n: int, slots: int, base: int, min_tiles: int) -> torch.Tensor:
+def _schedule_op(seq_lens: torch.Tensor, block_n: int, slots: int, base: int, wave: int,
+                 min_tiles: int) -> torch.Tensor:
     from .schedule import build_schedule
 
-    return build_schedule(seq_lens, block_n, slots, min_tiles, base)
+    return build_schedule(seq_lens, block_n, slots, min_tiles, base, wave)
 
 
 @_schedule_op.register_fake
-def _(seq_lens, block_n, slots, base, min_tiles):
+def _(seq_lens, block_n, slots, base, wave, min_tiles):
     from .schedule import schedule_size
 
     return seq_lens.new_empty(schedule_size(seq_lens.shape[0], slots), dtype=torch.int32)
@@ -172,8 +173,8 @@ def _(seq_lens, block_n, slots, base, min_tiles):
 @dataclass(frozen=True)
 class MLADecodeSchedule:
     """Which keys of which sequence each decode program takes in one decode step (mla_decode_schedule). plan:
-    (batch, key tile, programs per m-block, one wave of them, smallest chunk), what the table was made for; table:
-    int32 on the device, None where the plan gives one program per sequence or the reference runs (nothing to
+    (batch, key tile, chunk slots, the heuristic's slots, slots at once, smallest chunk), what the table was made for;
+    table: int32 on the device, None where the plan gives one program per sequence or the reference runs (nothing to
     schedule)."""
     plan: tuple
     table: Optional[torch.Tensor]
@@ -183,7 +184,7 @@ def _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits):
     from . import kernels
 
     plan = kernels.decode_plan((batch, n_new, heads), latent_cache, max_seqlen_k, num_splits)
-    return batch, plan.cfg["BLOCK_N"], plan.slots, plan.base, plan.min_tiles
+    return batch, plan.cfg["BLOCK_N"], plan.slots, plan.base, plan.wave, plan.min_tiles
 
 
 def _check_decode_shapes(latent_cache, cache_scales, block_tables, seq_lens, batch, num_splits, max_seqlen_k):
@@ -223,8 +224,8 @@ def mla_decode_schedule(
     if not use_triton(seq_lens):
         return MLADecodeSchedule(None, None)
     plan = _schedule_plan(seq_lens.shape[0], q_per_seq, num_heads, latent_cache, max_seqlen_k, num_splits)
-    batch, block_n, slots, base, min_tiles = plan
-    table = _schedule_op(seq_lens, block_n, slots, base, min_tiles) if slots > batch else None
+    batch, block_n, slots, base, wave, min_tiles = plan
+    table = _schedule_op(seq_lens, block_n, slots, base, wave, min_tiles) if slots > batch else None
     return MLADecodeSchedule(plan, table)
 
 
@@ -277,7 +278,7 @@ def mla_decode(
         if use_triton(q_nope_absorbed):
             plan = _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits)
             if schedule.plan != plan:
-                raise ValueError(f"schedule was made for (batch, key tile, programs, one wave, smallest chunk) = "
+                raise ValueError(f"schedule was made for (batch, key tile, slots, base slots, wave, smallest chunk) = "
                                  f"{schedule.plan}, this call needs {plan}: make it with this call's shapes, "
                                  f"max_seqlen_k and num_splits")
             table = schedule.table

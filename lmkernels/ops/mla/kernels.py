@@ -658,8 +658,9 @@ class DecodePlan(NamedTuple):
     ws: bool  # the Gluon kernel
     m_blocks: int
     splits: int  # the heuristic's (or the caller's) programs per sequence
-    slots: int  # chunk slots per m-block: the grid is m_blocks × slots
-    base: int  # one wave of them; more slots (a second wave) are for skewed batches (schedule.py)
+    slots: int  # chunk slots per m-block
+    base: int  # the slots the heuristic sized; more (one more wave) are for skewed batches (schedule.py)
+    wave: int  # slots that run at once
     min_tiles: int  # the smallest chunk, in key tiles
 
 
@@ -669,9 +670,11 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     keys, one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the
     grid is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
     device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
-    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch); with EXTRA_WAVE (2
-    programs fit per SM, the splits sized for 1) and one split a sequence in one wave, a second wave of slots, which
-    the schedule uses only where a skewed batch gains from it (base: the one wave). Smallest chunk: the heuristic's
+    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch). At one split a
+    sequence one more wave of slots, which the schedule uses only where a skewed batch gains from it (base: the
+    heuristic's slots): the Gluon kernel launches them as programs of their own (one fits per SM, so they run as SMs
+    free up); the 16-row Triton kernel (EXTRA_WAVE, two fit per SM) only in one wave, each program taking two slots
+    (kernels launched as 2 × 132 programs ran as if two shared an SM, session p). Smallest chunk: the heuristic's
     chunk (max_context / splits) where keys set the split count, else down to min_keys. A uniform batch at
     max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave // batch and
     slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the smallest
@@ -684,14 +687,15 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
-        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1, EXTRA_WAVE=False)
+        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     extra_wave = cfg.pop("EXTRA_WAVE", False)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     block_n = cfg["BLOCK_N"]
     if num_splits:
-        return DecodePlan(cfg, ws, m_blocks, num_splits, batch * num_splits, batch * num_splits, 1)
+        slots = batch * num_splits
+        return DecodePlan(cfg, ws, m_blocks, num_splits, slots, slots, slots, 1)
     num_sms = sm_count(cache.device)
     splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
@@ -700,8 +704,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
-    extra = wave if extra_wave and splits == 1 and slots == wave else 0
-    return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, min_tiles)
+    extra = wave if splits == 1 and (ws or extra_wave and slots == wave) else 0
+    return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
 def _ws_supported(cache):
@@ -742,8 +746,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg, ws, m_blocks, splits, slots, base, min_tiles = decode_plan((batch, n_new, heads), cache, max_context,
-                                                                    num_splits, config)
+    cfg, ws, m_blocks, splits, slots, base, wave, min_tiles = decode_plan((batch, n_new, heads), cache, max_context,
+                                                                          num_splits, config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
@@ -763,7 +767,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if split:
         part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
         part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
-        sched = schedule if schedule is not None else build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles, base)
+        sched = schedule if schedule is not None else build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles, base,
+                                                                     wave)
         if sched.shape != (schedule_size(batch, slots),):
             raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots) needs "
                              f"{schedule_size(batch, slots)}")

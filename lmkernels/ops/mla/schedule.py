@@ -10,11 +10,12 @@ decode_num_splits's static split. Shapes decide the launch (slots); only the tab
 graphs capture both kernels. The decode kernels once found their chunk themselves, each program repeating the
 search: that cost ~3.6 µs a program in the Gluon kernel (H100, benchmarks/NOTES.md, issue 6, session n).
 
-A second wave: where the launch was sized for one wave of `base` programs (one a sequence), it may hold more slots
-than base, each program taking slot p and then p + base (kernels.py). The schedule then also finds c₂, the smallest
-c that fits all the slots, and takes it only where the busiest program's work drops: w · c₂ + (w − 1) · SWITCH_KEYS
-(in tiles) < c, with w = ⌈Σnᵢ / base⌉ chunks a program. So a long sequence among many short ones no longer runs in
-a few long chunks on the first wave's spare programs; a uniform batch of short sequences keeps one wave.
+One more wave: where the launch was sized for `base` slots at one chunk a sequence, it may hold a wave more (`wave`
+slots run at once; kernels.decode_plan). The schedule then also finds c₂, the smallest c that fits all the slots,
+and takes it only where the busiest slot's work drops, estimated (in tiles) as c + (w − 1) · (tiles / Σnᵢ + SWITCH):
+w = ⌈Σnᵢ / wave⌉ chunks one after another, all but one of average length, each further one paying SWITCH. So a long
+sequence among many short ones no longer runs in a few long chunks on the spare slots of the base waves; a uniform
+batch of short sequences keeps the base.
 
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
 its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
@@ -32,11 +33,12 @@ MAX_CHUNKS = 256  # chunks of one sequence at most (what the merge takes)
 SEQ_BLOCK = 256  # sequences per block (the first block stays in registers through the search)
 CANDIDATES = 16  # chunk sizes tested per search round
 PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_kernel)
-# what a program's next chunk costs beyond its keys (its q load and pipeline fill, its partial and merge), in keys.
-# H100, 16 heads (benchmarks/NOTES.md, issue 6, session p): a uniform batch of 70 × 1k in 210 chunks of 352 keys,
-# two a program, took as long as 70 whole sequences (51.6 against 50.7 µs), so ≥ 320 keys; 1 × 8k + 127 × 512 in
-# 512-key chunks (two a program, against 1664 keys in one wave) was 25% faster, so < 640
-SWITCH_KEYS = 512
+# what a slot's next chunk costs beyond its tiles (its q load and pipeline fill, its partial and merge), in key tiles
+# (32 keys in the 16-row Triton kernel, 64 in the Gluon kernel). H100 (benchmarks/NOTES.md, issue 6, session p):
+# Triton, 70 × 1k in 210 chunks of 11 tiles, two a slot, took as long as 70 whole sequences (32 tiles), so > 10;
+# 1 × 8k + 127 × 512 in 16-tile chunks over two waves (against 52 in one) was 25% faster, so < 20. Gluon, 128 heads,
+# 1 × 8k + 127 × 512 in three waves of 8-tile chunks was 7% slower than two waves with 26-tile ones, so > 10.7
+SWITCH_TILES = 16
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -91,18 +93,17 @@ def _smallest_fit(len_ptr, batch, len0, lo, hi, slots, K: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _busiest(c, chunks, base, switch):
-    """The busiest program's work, in tiles, for `chunks` chunks of ≤ c tiles over `base` programs (the second wave's
-    cost rule: module docstring)."""
-    waves = tl.cdiv(chunks, base)
-    return waves * c + (waves - 1) * switch
+def _busiest(c, chunks, total, wave, switch):
+    """The busiest slot's work, in tiles, for `chunks` chunks of ≤ c tiles (`total` in all), `wave` at a time (the
+    cost rule of the extra wave: module docstring)."""
+    return c + (tl.cdiv(chunks, wave) - 1) * (total // tl.maximum(chunks, 1) + switch)
 
 
-@triton.jit(do_not_specialize=["batch", "slots", "base", "min_tiles"])  # one compile for every batch size
-def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, min_tiles, BLOCK_N: tl.constexpr,
+@triton.jit(do_not_specialize=["batch", "slots", "base", "wave", "min_tiles"])  # one compile for every batch size
+def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BLOCK_N: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, SWITCH: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
-    """One program writes the whole schedule (module docstring; base = slots: no second wave). The chunk-size search
+    """One program writes the whole schedule (module docstring; base = slots: no extra wave). The chunk-size search
     keeps c in [lo, hi] (_smallest_fit); none for a uniform batch. Slots → sequences: where the chunks fit SEQ_BLOCK
     slots, in registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1
     everywhere, each sequence's number at its first chunk's slot, a running max), three passes of slots / threads
@@ -130,18 +131,23 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, min_tiles, BLOCK_N:
         # is fetched cold)
         c = tl.maximum(floor, tl.cdiv(most, base // batch))
         c_all = tl.maximum(floor, tl.cdiv(most, slots // batch))
-        chunks = batch * tl.maximum(tl.cdiv(most, c_all), 1)
-        c = tl.where(_busiest(c_all, chunks, base, SWITCH) < c, c_all, c)
+        cost = _busiest(c, batch * tl.maximum(tl.cdiv(most, c), 1), total, wave, SWITCH)
+        c = tl.where(_busiest(c_all, batch * tl.maximum(tl.cdiv(most, c_all), 1), total, wave, SWITCH) < cost, c_all,
+                     c)
         _uniform_slots(sched_ptr, i0, batch, slots, longest, c, tl.maximum(tl.cdiv(most, c), 1), BLOCK_N)
     else:
         lo = tl.maximum(floor, tl.cdiv(total, base))
         c = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, base // batch)), base, K, BLOCK_N)
-        lo = tl.maximum(floor, tl.cdiv(total, slots))
-        if (slots > base) & (2 * lo + SWITCH < c):  # the second wave, where it can lower the busiest program's work
-            c_all = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, slots // batch)), slots, K,
-                                  BLOCK_N)
-            chunks = tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c_all, tl.int32), BLOCK_N), 0)
-            c = tl.where(_busiest(c_all, chunks, base, SWITCH) < c, c_all, c)
+        if slots > base:  # the extra wave, where it can lower the busiest slot's work
+            cost = _busiest(c, tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c, tl.int32), BLOCK_N), 0),
+                            total, wave, SWITCH)
+            lo = tl.maximum(floor, tl.cdiv(total, slots))
+            # a smaller c makes more than base chunks (of ≥ total / slots tiles on average)
+            if lo + (tl.cdiv(base + 1, wave) - 1) * (total // slots + SWITCH) < cost:
+                c_all = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, slots // batch)), slots,
+                                      K, BLOCK_N)
+                chunks = tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c_all, tl.int32), BLOCK_N), 0)
+                c = tl.where(_busiest(c_all, chunks, total, wave, SWITCH) < cost, c_all, c)
         chunk_keys = c * BLOCK_N
         ok = i0 < batch
         n = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(len0, BLOCK_N), c), 1), 0)  # (block 0)
@@ -240,24 +246,27 @@ def _store_slots(row, seq, seq_len, first, n, slot, chunk_keys, mask):
     tl.store(row + 5, first, mask=mask)
 
 
-def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int, base: int = None) -> torch.Tensor:
-    """The schedule of seq_lens [B] over `slots` decode programs (≥ B) with key tiles of block_n, one wave of them
-    `base` (< slots: a second wave for skewed batches; module docstring)."""
+def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int, base: int = None,
+                   wave: int = None) -> torch.Tensor:
+    """The schedule of seq_lens [B] over `slots` chunk slots (≥ B) with key tiles of block_n: `base` of them the
+    heuristic's (< slots: an extra wave for skewed batches, `wave` slots at once; module docstring)."""
     batch = seq_lens.shape[0]
     sched = torch.empty(schedule_size(batch, slots), dtype=torch.int32, device=seq_lens.device)
     pdl = PDL and pdl_enabled(seq_lens.device)
-    _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base or slots, min_tiles, BLOCK_N=block_n,
+    base = base or slots
+    _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
-                           SWITCH=triton.cdiv(SWITCH_KEYS, block_n), USE_PDL=pdl, num_warps=4,
+                           SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=4,
                            **({"launch_pdl": True} if pdl else {}))
     return sched
 
 
-def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, max_chunks=MAX_CHUNKS):
+def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, wave=None, max_chunks=MAX_CHUNKS):
     """The schedule's chunk size and chunks in plain Python, for the tests: (chunk size c in tiles,
     [(first chunk, chunks)] per sequence)."""
     tiles = [-(-int(n) // block_n) for n in seq_lens]
     base = base or slots
+    wave = wave or base
 
     def used(c):
         return sum(max(1, -(-t // c)) for t in tiles)
@@ -271,11 +280,14 @@ def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, max_chunks=MA
             lo, hi = (lo, mid) if used(mid) <= n_slots else (mid + 1, hi)
         return lo
 
+    def busiest(c):  # the busiest slot's work in tiles
+        chunks = used(c)
+        return c + (-(-chunks // wave) - 1) * (sum(tiles) // max(chunks, 1) + SWITCH_TILES)
+
     c = smallest_fit(base)
-    if slots > base:  # the second wave where the busiest program's work drops
+    if slots > base:  # the extra wave where the busiest slot's work drops
         c_all = smallest_fit(slots)
-        waves = -(-used(c_all) // base)
-        c = c_all if waves * c_all + (waves - 1) * -(-SWITCH_KEYS // block_n) < c else c
+        c = c_all if busiest(c_all) < busiest(c) else c
     ranges, first = [], 0
     for t in tiles:
         n = max(1, -(-t // c))
