@@ -675,11 +675,12 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     heuristic's slots): the Gluon kernel launches them as programs of their own (one fits per SM, so they run as SMs
     free up); the 16-row Triton kernel (EXTRA_WAVE, two fit per SM) only in one wave, each program taking two slots
     (kernels launched as 2 × 132 programs ran as if two shared an SM, session p). Smallest chunk: the heuristic's
-    chunk (max_context / splits) where keys set the split count, else down to min_keys. A uniform batch at
-    max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave // batch and
-    slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the smallest
-    chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes). A caller's
-    num_splits: slots = batch × num_splits, any chunk size."""
+    chunk (max_context / splits) where keys set the split count, else down to min_keys. Over the base slots a
+    uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave //
+    batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the
+    smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes); the
+    extra wave may still win where the base leaves SMs idle (B=70 at 8k). A caller's num_splits: slots = batch ×
+    num_splits, any chunk size."""
     batch, n_new, heads = shape
     fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
