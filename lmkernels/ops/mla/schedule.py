@@ -83,11 +83,12 @@ def _smallest_fit(len_ptr, batch, len0, lo, hi, slots, K: tl.constexpr, BLOCK_N:
     candidates a round, each round cutting the range K-fold: 16⁴ tiles apart (4M keys at 64 a tile) take 4 rounds."""
     k = tl.arange(0, K)
     while lo < hi:
-        cand = tl.minimum(lo + tl.cdiv(hi - lo, K) * k, hi)  # cand[0] = lo
-        count = _chunk_counts(len_ptr, batch, len0, cand, BLOCK_N)
+        step = tl.cdiv(hi - lo, K)
+        count = _chunk_counts(len_ptr, batch, len0, tl.minimum(lo + step * k, hi), BLOCK_N)  # candidate 0 = lo
         first_ok = tl.min(tl.where(count <= slots, k, K), 0)  # K: none fits below hi
-        new_lo = tl.where(first_ok == 0, lo, tl.sum(tl.where(k == first_ok - 1, cand, 0), 0) + 1)
-        hi = tl.where(first_ok == K, hi, tl.sum(tl.where(k == first_ok, cand, 0), 0))
+        # (candidates by arithmetic, not picked out of the vector: two reductions a round fewer)
+        new_lo = tl.where(first_ok == 0, lo, lo + step * (first_ok - 1) + 1)
+        hi = tl.where(first_ok == K, hi, tl.minimum(lo + step * first_ok, hi))
         lo = new_lo
     return hi
 
@@ -139,8 +140,10 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
         lo = tl.maximum(floor, tl.cdiv(total, base))
         c = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, base // batch)), base, K, BLOCK_N)
         if slots > base:  # the extra wave, where it can lower the busiest slot's work
-            cost = _busiest(c, tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c, tl.int32), BLOCK_N), 0),
-                            total, wave, SWITCH)
+            cost = c  # (wave = base: the base's chunks run at once)
+            if wave < base:
+                cost = _busiest(c, tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c, tl.int32), BLOCK_N),
+                                          0), total, wave, SWITCH)
             lo = tl.maximum(floor, tl.cdiv(total, slots))
             # a smaller c makes more than base chunks (of ≥ total / slots tiles on average)
             if lo + (tl.cdiv(base + 1, wave) - 1) * (total // slots + SWITCH) < cost:
