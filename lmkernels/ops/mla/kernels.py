@@ -23,7 +23,7 @@ of one chunk is written to the output directly; the chunks of a longer one write
 slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
 partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
-Gluon kernel's in the query dtype). With a second wave of slots (schedule.py; 16 rows) each program takes two
+Gluon kernel's in the query dtype). With an extra wave of slots (schedule.py; 16 rows) each program takes two
 slots, one after the other. The Gluon kernel is launched with programmatic dependent launch (PDL), so that its
 programs wait on the SMs while the kernel before them drains; the Triton kernel not (PDL, TRITON_PDL). FP8 cache:
 tiles are dequantised (value · scale of its group) to the query dtype in registers before the dots, the scales
@@ -248,7 +248,7 @@ def _mla_decode_kernel(
     longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr [slots, Q, H] in the slot's row.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
-    WAVES = 2 (schedule.py's second wave): the program takes slot p, then slot p + its grid's slots, both rows read
+    WAVES = 2 (schedule.py's extra wave): the program takes slot p, then slot p + its grid's slots, both rows read
     at its start. One program doing both, not two programs: launched as 2 × 132 programs (2 fit per SM), the 128
     busy programs of a uniform 16-head batch ran as if two shared an SM (H100, session p: +25–36%); the hardware's
     placement of programs is not ours to choose.
@@ -621,7 +621,7 @@ def decode_config(rows: int, fp8: bool = False):
     over keys-major whole tiles, +10% at B=1 8k; the Gluon kernel, padded to 64 rows, is within ±1% at 32k and
     3% slower at B=32 8k, so 16 rows no longer take it), 197 registers: 2 programs fit per SM, but splits are
     sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge), with a
-    second wave of slots for skewed batches at one split a sequence (EXTRA_WAVE, decode_plan);
+    extra wave of slots for skewed batches at one split a sequence (EXTRA_WAVE, decode_plan);
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major halves, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
     rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM; halves −1–4%).
@@ -780,7 +780,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
                       slots, pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
-        waves = 2 if slots > base else 1  # (a second wave: each program takes two slots)
+        waves = 2 if slots > base else 1  # (an extra wave: each program takes two slots)
         _mla_decode_kernel[(m_blocks, slots // waves)](
             q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
