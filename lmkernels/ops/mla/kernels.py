@@ -671,7 +671,7 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     grid is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
     device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
     whole waves of programs (the spare ones take chunks of long sequences in a skewed batch). At one split a
-    sequence one more wave of slots, which the schedule uses only where a skewed batch gains from it (base: the
+    sequence of a batch that fills the GPU one more wave of slots, which the schedule uses only where it pays (base: the
     heuristic's slots): the Gluon kernel launches them as programs of their own (one fits per SM, so they run as SMs
     free up); the 16-row Triton kernel (EXTRA_WAVE, two fit per SM) only in one wave, each program taking two slots
     (kernels launched as 2 × 132 programs ran as if two shared an SM, session p). Smallest chunk: the heuristic's
@@ -705,7 +705,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
-    extra = wave if splits == 1 and (ws or extra_wave and slots == wave) else 0
+    # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
+    # could never pay, and its programs would only start and return)
+    extra = wave if splits == 1 and 2 * batch > wave and (ws or extra_wave and slots == wave) else 0
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
