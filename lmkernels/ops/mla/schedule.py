@@ -109,8 +109,9 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
     slots, in registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1
     everywhere, each sequence's number at its first chunk's slot, a running max), three passes of slots / threads
     stores, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with
-    programmatic dependent launch: waits for the kernel before it (the lengths), then lets the decode kernel's
-    programs take the other SMs and wait there (this kernel needs one)."""
+    programmatic dependent launch: waits for the kernel before it (the lengths), then lets a decode kernel launched
+    so (the Gluon kernel's; the Triton kernel's is not, kernels.TRITON_PDL) take the other SMs and wait there (this
+    kernel needs one)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
