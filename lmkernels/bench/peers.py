@@ -94,6 +94,16 @@ def liger(name: str, module: str, attr: str, call, note: str = "", **kw) -> Impl
     return Impl(name=name, kind="liger", fn=call(obj), note=note or f"{attr}", **kw)
 
 
+def dist_version(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version(dist)
+    except Exception:
+        return None
+
+
 def liger_version() -> str | None:
     try:
         import importlib.metadata

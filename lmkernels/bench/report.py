@@ -37,7 +37,7 @@ def environment() -> dict:
     import triton
 
     from .. import __version__
-    from .peers import liger_version
+    from .peers import dist_version, liger_version
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {
@@ -47,6 +47,7 @@ def environment() -> dict:
         "memory_bytes": int(props.total_memory),
         "versions": {
             "torch": torch.__version__, "triton": triton.__version__, "liger_kernel": liger_version(),
+            "flashinfer": dist_version("flashinfer-python"),
             "cuda": torch.version.cuda, "python": platform.python_version(), "lmkernels": __version__,
         },
     }
@@ -211,6 +212,8 @@ def run_text(result: dict) -> str:
     v = result.get("versions") or {}
     bits = [f"run {result.get('date', '?')}", f"torch {v.get('torch', '?')}", f"triton {v.get('triton', '?')}",
             f"liger-kernel {v.get('liger_kernel') or 'not installed'}"]
+    if v.get("flashinfer"):
+        bits.append(f"flashinfer {v['flashinfer']}")
     if result.get("quick"):
         bits.append("quick mode")
     if not result.get("complete", True):

@@ -1,6 +1,10 @@
 """The MLA benchmark suite on CPU: a dry run through the Triton interpreter (fp16, tiny shapes, a fake timer)."""
 
+import sys
+import types
+
 import pytest
+import torch
 
 import lmkernels.bench as bench
 from lmkernels.bench import harness, report, timing
@@ -35,15 +39,17 @@ def test_mla_suite_dry_run(dry_run):
     suite.run(result, quick=True, save=lambda: saves.append(len(result["rows"])))
     rows, skewed = result["rows"][:3], result["rows"][3:]
     assert saves == [1, 2, 3, 4, 5]
-    for row in skewed:  # informational: no goal, no peer, ours against ours on the members run apart
+    for row in skewed:  # informational: no goal, ours against ours on the members run apart (and FlashInfer)
         assert row["status"] == "ok", row
-        assert row["ours"]["err"] < 1e-2 and row["goal"] == {} and row["peers"] == []
+        assert row["ours"]["err"] < 1e-2 and row["goal"] == {}
+        assert len(row["peers"]) == 1 and row["peers"][0]["missing"].startswith("not importable: ")
         assert len(row["members_apart_ms"]) == 2 and "members run apart" in row["note"]
     assert [r["unit"] for r in skewed] == ["GB/s", "TFLOP/s"] and skewed[1]["pct_gemm"] > 0
     for row in rows:
         assert row["status"] == "ok", row
         assert row["ours"]["err"] < 1e-2 and row["ours"]["gbps"] > 0 and row["note"]
-        assert [p["name"] for p in row["peers"]] == ["sdpa-math"] and row["peers"][0]["err"] < 1e-2
+        assert [p["name"] for p in row["peers"]] == ["flashinfer", "sdpa-math"] and row["peers"][1]["err"] < 1e-2
+        assert row["peers"][0]["missing"].startswith("not importable: ")
         assert list(row["goal"]) == (["gemm"] if row["unit"] == "TFLOP/s" else ["copy"])
         assert None not in row["goal"].values()
     mem, mtp, compute = rows
@@ -121,3 +127,71 @@ def test_root_error():
     except RuntimeError as e:
         assert suite.root_error(e) == "RuntimeError < KeyError: 'deep'"
     assert suite.root_error(ValueError("x" * 500)).endswith("…")
+
+
+def test_flashinfer_csr():
+    """Each sequence's pages in table order up to its last page; queries n_new apart."""
+    tables = torch.tensor([[7, 3, 0, 0], [1, 2, 4, 5], [6, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([17, 64, 1], dtype=torch.int32)
+    qo, kv_indptr, kv_indices, kv_len = suite.flashinfer_csr(tables, lens, 2, 16)
+    assert qo.tolist() == [0, 2, 4, 6] and kv_indptr.tolist() == [0, 2, 6, 7]
+    assert kv_indices.tolist() == [7, 3, 1, 2, 4, 5, 6] and kv_len.tolist() == [17, 64, 1]
+    assert {t.dtype for t in (qo, kv_indptr, kv_indices, kv_len)} == {torch.int32}
+
+
+def _fake_flashinfer(monkeypatch):
+    """A stand-in for flashinfer.mla with the documented meaning of its CSR plan and packed tensors, in plain
+    PyTorch: each request's pages kv_indices[kv_indptr[b]:kv_indptr[b + 1]], its first kv_len[b] rows, queries
+    qo_indptr[b]:qo_indptr[b + 1] aligned to the end (causal). Its fa2 backend refuses to plan, as on a GPU
+    without it."""
+    class Metadata:
+        @classmethod
+        def csr(cls, *tensors):
+            meta = cls()
+            meta.tensors = tensors
+            return meta
+
+    class Wrapper:
+        def __init__(self, workspace, backend):
+            self.backend = backend
+
+        def plan(self, *, metadata, num_heads, causal, sm_scale, page_size, **kw):
+            if self.backend == "fa2":
+                raise RuntimeError("fa2 MLA requires SM80 or newer")
+            self.meta, self.causal, self.scale = metadata.tensors, causal, sm_scale
+
+        def run(self, *, query, kv_cache):
+            qo, kv_indptr, kv_indices, kv_len = (t.tolist() for t in self.meta)
+            out = torch.empty(*query.shape[:2], 512, dtype=query.dtype)
+            for b in range(len(kv_len)):
+                rows = kv_cache[kv_indices[kv_indptr[b]:kv_indptr[b + 1]]].flatten(0, 1)[:kv_len[b]].double()
+                q = query[qo[b]:qo[b + 1]].double()
+                s = torch.einsum("nhd,sd->nhs", q, rows) * self.scale
+                n = q.shape[0]
+                if self.causal:
+                    late = torch.arange(kv_len[b])[None, :] > (kv_len[b] - n + torch.arange(n))[:, None]
+                    s = s.masked_fill(late[:, None, :], float("-inf"))
+                out[qo[b]:qo[b + 1]] = torch.einsum("nhs,sd->nhd", torch.softmax(s, -1), rows[:, :512]).to(out.dtype)
+            return out
+
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper, mla.MLAPlanMetadata = Wrapper, Metadata
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+
+
+def test_mla_suite_flashinfer_peer(dry_run, monkeypatch):
+    """The FlashInfer peer gets our cache, its CSR plan and packed q, and is checked against the fp32 reference:
+    uniform, MTP and skewed rows; a backend that does not plan is recorded as missing with its reason."""
+    _fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(suite, "QUICK", ((2, 33, 8, 2), (3, 40, 4, 1)))
+    result = {"suite": "mla", "ceilings": {"copy_gbps": 3000.0, "gemm_bf16_tflops": 700.0}, "rows": []}
+    suite.run(result, quick=True)
+    assert len(result["rows"]) == 4
+    for row in result["rows"]:
+        assert row["status"] == "ok", row
+        fa3, fa2 = row["peers"][:2]
+        assert fa3["name"] == "flashinfer-fa3" and fa3["err"] < 1e-2 and fa3["gbps"] > 0, fa3
+        assert fa2["name"] == "flashinfer-fa2" and fa2["missing"] == "RuntimeError: fa2 MLA requires SM80 or newer"
+        assert row["best_peer"] is not None and row["ratio"] > 0
+    assert "flashinfer-fa3" in result["rows"][2]["note"]
