@@ -1,5 +1,7 @@
 """Absorbed MLA decode (Triton kernel through the interpreter, fp16) against the float64 reference."""
 
+import random
+
 import pytest
 import torch
 
@@ -305,6 +307,47 @@ def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base, wave):
     assert all(rows[s][0] == -1 for s in range(slot, slots))  # spare slots
 
 
+def test_extra_wave_never_taken_for_short_sequences():
+    """The cost rule never takes the extra wave while no sequence is longer than SWITCH_TILES + 1 tiles (a slot's
+    further chunk costs SWITCH_TILES on top of its keys), the bound decode_plan relies on to launch no extra wave for
+    such contexts: a seeded search over uniform, skewed and random batches of 1–3 base waves; one tile more and it
+    is taken."""
+    rng = random.Random(6)
+    bound = schedule.SWITCH_TILES + 1
+    for _ in range(3000):
+        wave = rng.choice([4, 8, 33, 66, 132])
+        waves = rng.choice([1, 2, 3])
+        batch = rng.randint((waves - 1) * wave + 1, waves * wave)
+        longest = rng.randint(1, bound)
+        kind = rng.random()
+        if kind < 0.3:
+            lens = [longest] * batch
+        elif kind < 0.6:
+            n_long = rng.randint(1, max(1, batch // 8))
+            lens = [longest] * n_long + [rng.randint(0, longest // 4)] * (batch - n_long)
+        else:
+            lens = [longest] + [rng.randint(0, longest) for _ in range(batch - 1)]
+        base = waves * wave
+        c_base, _ = schedule.split_schedule(lens, 1, base, 1, base, wave)
+        assert schedule.split_schedule(lens, 1, base + wave, 1, base, wave)[0] == c_base, (lens, base, wave)
+    lens = [bound + 1] + [0] * 65
+    assert schedule.split_schedule(lens, 1, 132, 1, 66, 66)[0] < schedule.split_schedule(lens, 1, 66, 1)[0]
+
+
+def test_extra_wave_only_where_a_sequence_can_take_it(monkeypatch):
+    """decode_plan launches the extra wave only for contexts longer than SWITCH_TILES + 1 key tiles (the Gluon
+    kernel's 64-key tiles at 128 heads, the 16-row kernel's 32-key ones), on an H100's 132 SMs."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    bound = schedule.SWITCH_TILES + 1
+    for heads, block_n in ((128, 64), (16, 32)):
+        for ctx, extra in ((bound * block_n, False), (bound * block_n + 1, True), (8192, True)):
+            plan = kernels.decode_plan((128, 1, heads), cache, ctx)
+            assert plan.cfg["BLOCK_N"] == block_n and (plan.slots > plan.base) == extra, (heads, ctx, plan)
+
+
 @pytest.mark.parametrize("gluon", [False, True])
 def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
     """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule over the
@@ -349,6 +392,31 @@ def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, want_slots):
                                         schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
 
 
+@pytest.mark.parametrize("lens,most,chunks", [
+    ([4000, 1000, 5], 4, [5, 2, 1]), ([1000, 4000, 5], 4, [2, 5, 1]), ([900, 300, 4000, 3000], 2, [1, 1, 3, 3])])
+def test_decode_merge_in_kernel_and_after(monkeypatch, lens, most, chunks):
+    """Skewed batches whose long sequences take more chunks than the in-kernel merge takes (FUSED_MAX_CHUNKS = most
+    here) and shorter ones fewer (a 4-SM GPU, 16 rows): the decode kernel merges the short ones' partials, the merge
+    kernel after it the long ones' (its programs by rank among those: the long one first, second in the merge list,
+    or two of them); NaN-poisoned outputs, partials and schedule, NaN past each end, two calls (the counters
+    reset)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
+    monkeypatch.setattr(kernels, "FUSED_MAX_CHUNKS", most)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    merges = []
+    merge = kernels.merge_partials
+    monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: merges.append(a[7:]) or merge(*a, **k))
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
+    _nan_past_ends(cache, tables, lens, 64)
+    sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=16, max_seqlen_k=max(lens))
+    batch, block_n, slots, base, wave, min_tiles = sched.plan
+    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base, wave)
+    assert [n for _, n in ranges] == chunks
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max(lens),
+                                        schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
+    assert merges and all(m[-1] == most + 1 for m in merges)
+
+
 def test_decode_schedule_checks():
     """A schedule serves only calls of its own plan (a clear error otherwise, before any launch); one program per
     sequence needs no table; the reference path (CPU without the interpreter) ignores it."""
@@ -374,14 +442,15 @@ def test_decode_schedule_checks():
 
 def test_gluon_plan_spare_slots(monkeypatch):
     """The Gluon kernel's launch (as on an H100: 132 SMs) rounds the slots up to whole waves of 66 programs (two
-    m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and one
-    wave more for skewed batches: 198; not where one split comes from a short context: B=4 × 16 keys)."""
+    m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and at 8k
+    one wave more for skewed batches: 198; not where one split comes from a short context, B=4 × 16 keys, nor where
+    no sequence can be long enough to take it, 1k)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
-    for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (198, 132, 66)),
-                                                (4, 16, 1, (66, 66, 66))):
+    for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
+                                                (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66))):
         cfg, ws, m_blocks, splits, slots, base, wave, _ = kernels.decode_plan((batch, 1, 128), cache, ctx)
         assert ws and m_blocks == 2
         assert (splits, (slots, base, wave)) == (want_splits, want_slots)

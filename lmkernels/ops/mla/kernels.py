@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
-from .schedule import MAX_CHUNKS, SCHEDULE_ROW, build_schedule, merge_entries, schedule_size
+from .schedule import MAX_CHUNKS, SCHEDULE_ROW, SWITCH_TILES, build_schedule, merge_entries, schedule_size
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -240,7 +240,7 @@ def _mla_decode_kernel(
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
-    WAVES: tl.constexpr = 1,
+    WAVES: tl.constexpr = 1, MERGE_AFTER: tl.constexpr = 0,
 ):
     """Program (m-block, slot). o_ptr [B, Q, H, 512] / lse_ptr [B, Q, H]: the final output (contiguous).
     SPLIT (more slots than sequences): the slot takes the chunk in its row of the schedule sched_ptr (schedule.py:
@@ -254,7 +254,8 @@ def _mla_decode_kernel(
     placement of programs is not ours to choose.
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
     cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
-    output and resets the counter to 0.
+    output and resets the counter to 0. MERGE_AFTER > 0: only sequences of up to MERGE_AFTER chunks; those of more
+    (a skewed batch's long ones) are left to the merge kernel after this one.
     USE_PDL: launched with programmatic dependent launch: waits for the kernels before it (the schedule, q, the
     cache) before any load, and lets the next kernel launch early (its CTAs take free slots and wait in turn)."""
     if USE_PDL:
@@ -274,14 +275,15 @@ def _mla_decode_kernel(
         qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
         stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt, n_new,
         heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
-        SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE, HALVES)
+        SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE, HALVES,
+        MERGE_AFTER)
     if WAVES == 2:
         _decode_chunk(
             qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
             stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
             n_new, heads, page_size, n_rows, qk_scale, m_block, slot_2, seq_2, seq_len_2, start_2, end_2, n_seq_2,
             first_2, SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
-            HALVES)
+            HALVES, MERGE_AFTER)
 
 
 @triton.jit
@@ -301,7 +303,7 @@ def _decode_chunk(
     n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
     SPLIT: tl.constexpr, FP8: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, KEYS_MAJOR: tl.constexpr, PAGE_TILE: tl.constexpr,
-    TMA: tl.constexpr, FUSED_MERGE: tl.constexpr, HALVES: tl.constexpr,
+    TMA: tl.constexpr, FUSED_MERGE: tl.constexpr, HALVES: tl.constexpr, MERGE_AFTER: tl.constexpr,
 ):
     """Keys [start, end) of sequence seq (of n_seq chunks, the first in slot `first`) for m-block m_block
     (_mla_decode_kernel); seq −1: a spare slot, nothing to do."""
@@ -386,7 +388,10 @@ def _decode_chunk(
         part = slot.to(tl.int64) * rows + r
         _store_rows(po_ptr, pl_ptr, part, row_ok & ~direct, acc, acc_hi, l_safe, lse, offs_w, HALVES)
         if FUSED_MERGE:
-            if n_seq > 1:
+            mine = n_seq > 1
+            if MERGE_AFTER > 0:  # one program's serial merge of many partials was the tail of a skewed batch
+                mine = mine & (n_seq <= MERGE_AFTER)
+            if mine:
                 tl.debug_barrier()  # every thread's partial is written before the counter says so (release below)
                 counter = cnt_ptr + seq * tl.num_programs(0) + m_block
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -483,17 +488,23 @@ def _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA: tl.const
 
 @triton.jit
 def _mla_merge_kernel(
-    po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
+    po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows, min_chunks,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
-    chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks); a sequence of one
-    chunk is not merged, the decode kernel wrote its o), CHUNK_S partial rows at a time. Column blocks are separate
-    programs: at B=1 the merge reads up to 256 partials × 2 KB per row, and 16 heads alone would leave the GPU
-    nearly idle."""
-    listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
-    if (not listed) | (n < 2):
+    chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks)), CHUNK_S partial rows
+    at a time; a sequence of fewer than min_chunks chunks is not merged here (one chunk: the decode kernel wrote its
+    o; up to the decode kernel's MERGE_AFTER: it merged them). Column blocks are separate programs: at B=1 the
+    merge reads up to 256 partials × 2 KB per row, and 16 heads alone would leave the GPU nearly idle.
+    LONG_ENTRIES > 0 (a power of 2 ≥ the merge list's length): program_id(0) is the rank among the sequences of at
+    least min_chunks chunks, not the entry, so that the grid has only as many as there can be (a grid over the whole
+    list cost 9 µs of programs that only returned, H100 session q)."""
+    if LONG_ENTRIES > 0:
+        listed, batch, first, n = _long_entry(sched_ptr, tl.program_id(0), min_chunks, LONG_ENTRIES)
+    else:
+        listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
+    if (not listed) | (n < min_chunks):
         return
     r = tl.program_id(1)
     col = tl.program_id(2)
@@ -531,6 +542,18 @@ def _merge_entry(sched_ptr, entry):
     first = tl.load(sched_ptr + 2 + 3 * entry).to(tl.int64)
     n = tl.load(sched_ptr + 3 + 3 * entry)
     return entry < count, seq, first, n
+
+
+@triton.jit
+def _long_entry(sched_ptr, rank, min_chunks, ENTRIES: tl.constexpr):
+    """_merge_entry of the merge list's entry of rank `rank` among those of at least min_chunks chunks."""
+    count = tl.load(sched_ptr)
+    e = tl.arange(0, ENTRIES)
+    long = (tl.load(sched_ptr + 3 + 3 * e, mask=e < count, other=0) >= min_chunks).to(tl.int32)
+    hit = (long == 1) & (tl.cumsum(long, 0) == rank + 1)
+    listed, entry = tl.sum(hit.to(tl.int32), 0) == 1, tl.sum(tl.where(hit, e, 0), 0)
+    return (listed, tl.load(sched_ptr + 1 + 3 * entry).to(tl.int64), tl.load(sched_ptr + 2 + 3 * entry).to(tl.int64),
+            tl.load(sched_ptr + 3 + 3 * entry))
 
 
 @triton.jit
@@ -589,6 +612,9 @@ MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 # B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
 # program's serial loads of 8 partials cost as much as the merge kernel they replace
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
+# … and a sequence of up to FUSED_MAX_CHUNKS chunks there (a skewed batch gives a long one more: those merge in the
+# merge kernel, which spreads them over many programs; it runs only where a sequence can take more, H100 session q)
+FUSED_MAX_CHUNKS = 32
 # the separate merge with many rows and ≤ MERGE_ROWS_SPLITS splits: whole rows × all splits per program
 # (MERGE_ROWS_ELEMS row-splits a program). H100 (benchmarks/NOTES.md, issue 6, session j), merge alone, fp32
 # partials: 128 rows × 2 splits 10.7 → 8.1 µs, 32 rows × 4 splits 5.7 → 5.2; whole calls: 128 heads B=32 1k
@@ -706,8 +732,13 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
-    # could never pay, and its programs would only start and return)
-    extra = wave if splits == 1 and 2 * batch > wave and (ws or extra_wave and slots == wave) else 0
+    # could never pay, and its programs would only start and return; nor where no sequence can be longer than
+    # SWITCH_TILES + 1 tiles: a slot's further chunk costs the cost rule that much, so it never takes the extra wave
+    # there (tests/ops/test_mla_decode.py searches for a counterexample), while the Gluon kernel's spare programs
+    # and the merge kernel after them cost uniform 128-head batches 4–6 µs a call: NOTES, issue 6, session q)
+    longest = triton.cdiv(max_context, block_n)
+    extra = wave if (splits == 1 and 2 * batch > wave and (ws or extra_wave and slots == wave)
+                     and longest > SWITCH_TILES + 1) else 0
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
@@ -759,6 +790,11 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
     # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and split and splits <= FUSED_MAX_SPLITS and not ws
+    # where a sequence may take more than FUSED_MAX_CHUNKS chunks (chunks are ≥ min_tiles tiles), those merge in the
+    # merge kernel after the decode kernel: one program merging a long sequence's 64 partials was a skewed batch's
+    # tail (H100, session q: 16 heads 1 × 32k + 31 × 1k 62.7 → 45.3 µs)
+    most_chunks = triton.cdiv(triton.cdiv(max_context, cfg["BLOCK_N"]), min_tiles)
+    merge_after = FUSED_MAX_CHUNKS if fused and most_chunks > FUSED_MAX_CHUNKS else 0
     pdl = cfg.pop("PDL", PDL if ws else TRITON_PDL) and pdl_enabled(q_nope.device)
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
     # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
@@ -787,33 +823,39 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
             q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
             n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, SPLIT=split, FP8=fp8,
-            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, WAVES=waves, **cfg,
-            **({"launch_pdl": True} if pdl else {}),
+            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, WAVES=waves,
+            MERGE_AFTER=merge_after, **cfg, **({"launch_pdl": True} if pdl else {}),
         )
-    if split and not fused:
-        merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows)
+    if split and (merge_after or not fused):
+        merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1)
     return o, lse
 
 
-def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None):
+def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2):
     """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
-    list sched (the schedule's) → o, lse. Whole rows × `splits` (the typical chunk count) partials per load
-    where there are many rows and few splits (rows_kernel: force either kernel), else one row (or a column block of
-    it) per program walking its chunks."""
+    list sched (the schedule's) of at least min_chunks chunks → o, lse. Whole rows × `splits` (the typical chunk
+    count) partials per load where there are many rows and few splits (rows_kernel: force either kernel), else one
+    row (or a column block of it) per program walking its chunks; the latter in column blocks for min_chunks > 2
+    (the long sequences the decode kernel's in-kernel merge left: whole rows there were as slow as that merge,
+    session q)."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
     entries = merge_entries(batch, part_o.shape[0])
     few_rows = batch * rows < 2 * sm_count(o.device)
     if rows_kernel is None:
         rows_kernel = MERGE_ROWS and not few_rows and splits <= MERGE_ROWS_SPLITS
-    if rows_kernel:
+    if rows_kernel and min_chunks <= 2:
         S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, num_warps=4)
         return
-    block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows else (KV_LORA, 4)
+    block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows or min_chunks > 2 else (KV_LORA, 4)
+    long_entries = 0
+    if min_chunks > 2:  # at most this many sequences take min_chunks slots each, the others one or more
+        long_entries = triton.next_power_of_2(entries)
+        entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
-        part_o, part_l, sched, o, lse, rows, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA, BLOCK_D=block_d,
-        INTERPRET=interpreting(), num_warps=4,
+        part_o, part_l, sched, o, lse, rows, min_chunks, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=4,
     )
