@@ -444,13 +444,15 @@ def test_gluon_plan_spare_slots(monkeypatch):
     """The Gluon kernel's launch (as on an H100: 132 SMs) rounds the slots up to whole waves of 66 programs (two
     m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and at 8k
     one wave more for skewed batches: 198; not where one split comes from a short context, B=4 × 16 keys, nor where
-    no sequence can be long enough to take it, 1k)."""
+    no sequence can be long enough to take it, 1k). One sequence: splits of ≥ 256 keys (8k: 32, 32k: one wave)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
-                                                (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66))):
+                                                (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66)),
+                                                (1, 8192, 32, (66, 66, 66)), (1, 32768, 66, (66, 66, 66))):
         cfg, ws, m_blocks, splits, slots, base, wave, _ = kernels.decode_plan((batch, 1, 128), cache, ctx)
         assert ws and m_blocks == 2
         assert (splits, (slots, base, wave)) == (want_splits, want_slots)
+    assert kernels.decode_plan((1, 2, 16), cache, 8192).splits == 64  # 32 rows (16 × 2): 128 keys a split

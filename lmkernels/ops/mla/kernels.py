@@ -601,6 +601,8 @@ def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
 
 MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
 SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
+WS_SMALL_MIN_KEYS = 256  # (the Gluon kernel's at 64 rows: 128 heads B=1 6k / 8k 23.8 / 24.6 → 22.1 / 23.7 µs, H100
+# session q)
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
 MAX_SPLITS = MAX_CHUNKS  # what the merge takes (an explicit num_splits; chunks of one sequence)
@@ -714,17 +716,20 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
+        if cfg["BLOCK_M"] >= 64:  # (not at 32 rows, 16 × 2: B=1 8k 19.3 → 20.9 µs at 32 splits, session q)
+            cfg["SMALL_MIN_KEYS"] = WS_SMALL_MIN_KEYS
         cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     extra_wave = cfg.pop("EXTRA_WAVE", False)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
+    small_keys = cfg.pop("SMALL_MIN_KEYS", SMALL_MIN_KEYS)
     block_n = cfg["BLOCK_N"]
     if num_splits:
         slots = batch * num_splits
         return DecodePlan(cfg, ws, m_blocks, num_splits, slots, slots, slots, 1)
     num_sms = sm_count(cache.device)
-    splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys)
+    splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys, small_keys)
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
@@ -753,11 +758,11 @@ def _ws_supported(cache):
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
-                      min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+                      min_keys: int = MIN_KEYS_PER_SPLIT, small_keys: int = SMALL_MIN_KEYS) -> int:
     """Splits of the key range so that batch × m_blocks × splits programs fill the GPU once (num_sms × per_sm
     programs that fit at a time), rounded down so that no second, nearly empty wave follows, each split keeping
     ≥ min_keys keys, at most AUTO_MAX_SPLITS. Where that leaves fewer programs than half the SMs (small
-    batches), splits shrink to ~SMALL_MIN_KEYS keys, and short contexts get SHORT_SPLITS splits of ≥ 32 keys.
+    batches), splits shrink to ~small_keys keys, and short contexts get SHORT_SPLITS splits of ≥ 32 keys.
     Shapes only (CUDA graphs). From the H100 A/Bs (benchmarks/NOTES.md, issue 6): B=1, 16 heads: 32 splits at
     1k, 64 at 8k, 128 at 32k; B=32 at 1k wants 4 splits of 256 keys (17 splits: −40%); rounding down instead
     of up (B=32 8k, 16 heads: 8 splits = 256 programs on 264 slots, not 17 = 2.06 waves) +9–15% at 16 heads,
@@ -766,7 +771,7 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
     fill = (num_sms * per_sm) // programs
     fit = max(1, max_context // min_keys)
     if programs * fit < num_sms // 2:
-        fit = max(fit, max_context // SMALL_MIN_KEYS, min(SHORT_SPLITS, max_context // 32))
+        fit = max(fit, max_context // small_keys, min(SHORT_SPLITS, max_context // 32))
     return max(1, min(fill, fit, AUTO_MAX_SPLITS))
 
 
