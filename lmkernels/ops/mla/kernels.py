@@ -22,8 +22,9 @@ this is decode_num_splits's static split). A sequence
 of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in their
 slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
 splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
-partials in the query dtype), else by a second kernel over the list of sequences to merge (fp32 partials; the
-Gluon kernel's in the query dtype). With an extra wave of slots (schedule.py; 16 rows) each program takes two
+partials in the query dtype; a skewed batch's sequences of more than FUSED_MAX_CHUNKS chunks are left to the merge
+kernel after it), else by a second kernel over the list of sequences to merge (fp32 partials; the Gluon kernel's in
+the query dtype). With an extra wave of slots (schedule.py; 16 rows) each program takes two
 slots, one after the other. The Gluon kernel is launched with programmatic dependent launch (PDL), so that its
 programs wait on the SMs while the kernel before them drains; the Triton kernel not (PDL, TRITON_PDL). FP8 cache:
 tiles are dequantised (value · scale of its group) to the query dtype in registers before the dots, the scales
@@ -699,12 +700,13 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     grid is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
     device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
     whole waves of programs (the spare ones take chunks of long sequences in a skewed batch). At one split a
-    sequence of a batch that fills the GPU one more wave of slots, which the schedule uses only where it pays (base: the
-    heuristic's slots): the Gluon kernel launches them as programs of their own (one fits per SM, so they run as SMs
-    free up); the 16-row Triton kernel (EXTRA_WAVE, two fit per SM) only in one wave, each program taking two slots
-    (kernels launched as 2 × 132 programs ran as if two shared an SM, session p). Smallest chunk: the heuristic's
-    chunk (max_context / splits) where keys set the split count, else down to min_keys. Over the base slots a
-    uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count, splits = wave //
+    sequence of a batch that fills the GPU, for contexts longer than SWITCH_TILES + 1 key tiles, one more wave of
+    slots, which the schedule uses only where it pays (base: the heuristic's slots): the Gluon kernel launches them
+    as programs of their own (one fits per SM, so they run as SMs free up); the 16-row Triton kernel (EXTRA_WAVE, two
+    fit per SM) only in one wave, each program taking two slots (kernels launched as 2 × 132 programs ran as if two
+    shared an SM, session p). Smallest chunk: the heuristic's chunk (max_context / splits) where keys set the split
+    count, else down to min_keys. Over the base slots a uniform batch at max_context gets exactly the heuristic's
+    chunks: where the GPU sets the count, splits = wave //
     batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the
     smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes); the
     extra wave may still win where the base leaves SMs idle (B=70 at 8k). A caller's num_splits: slots = batch ×
