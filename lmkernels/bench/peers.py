@@ -105,12 +105,9 @@ def dist_version(dist: str) -> str | None:
 
 
 def liger_version() -> str | None:
-    try:
-        import importlib.metadata
-
-        return importlib.metadata.version("liger-kernel")
-    except Exception:
-        pass
+    version = dist_version("liger-kernel")
+    if version:
+        return version
     try:
         import liger_kernel
 
