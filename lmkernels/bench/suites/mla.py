@@ -401,8 +401,13 @@ def decode_case(batch, ctx, heads, n_new):
     if _flex_wanted(batch, ctx, heads, n_new, dev):
         peers.append(flex_peer(n_new, ctx, dev, (qd, dense, vd), sdpa_check, nbytes, flops))
     del dense, vd
-    cfg, ws, m_blocks, splits, slots, base_slots, _, _ = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
-    programs = f"{base_slots} slots" + (f" (+ {slots - base_slots} for skewed batches)" if slots > base_slots else "")
+    plan = kernels.decode_plan(tuple(q_nope.shape[:3]), cache, ctx)
+    cfg, ws, slots, base_slots = plan.cfg, plan.ws, plan.slots, plan.base
+    if plan.programs:
+        programs = f"{plan.programs} programs taking ranges of the batch's keys"
+    else:
+        programs = f"{base_slots} slots" + (f" (+ {slots - base_slots} for skewed batches)" if slots > base_slots
+                                            else "")
     if ws:
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:
@@ -435,7 +440,7 @@ def decode_case(batch, ctx, heads, n_new):
     extra = f"{row['pct_gemm']:.1f}% of GEMM, " if row.get("pct_gemm") is not None and compute else ""
     row["note"] = (f"{label}: {unit} ours {ours_fig} ({extra}{ours.get('gbps', 0):.0f} GB/s, "
                    f"{ours.get('tflops', 0):.1f} TFLOP/s), {figs}; goal {goal_txt}; page {PAGE}, "
-                   f"{tiles}, {splits} splits on {programs} per m-block, "
+                   f"{tiles}, {plan.splits} splits on {programs} per m-block, "
                    f"timing {ours.get('timing')}{_schedule_note(ours)}"
                    + ("" if want is not None else "; checked on batch entry 0 (fp32 reference too large)"))
     return row

@@ -156,24 +156,25 @@ def _(q_nope, q_pe, latent_cache, cache_scales, block_tables, seq_lens, scale, n
 
 
 @torch.library.custom_op("lmkernels::mla_decode_schedule", mutates_args=())
-def _schedule_op(seq_lens: torch.Tensor, block_n: int, slots: int, base: int, wave: int,
-                 min_tiles: int) -> torch.Tensor:
+def _schedule_op(seq_lens: torch.Tensor, block_n: int, slots: int, base: int, wave: int, min_tiles: int,
+                 programs: int) -> torch.Tensor:
     from .schedule import build_schedule
 
-    return build_schedule(seq_lens, block_n, slots, min_tiles, base, wave)
+    return build_schedule(seq_lens, block_n, slots, min_tiles, base, wave, programs)
 
 
 @_schedule_op.register_fake
-def _(seq_lens, block_n, slots, base, wave, min_tiles):
+def _(seq_lens, block_n, slots, base, wave, min_tiles, programs):
     from .schedule import schedule_size
 
-    return seq_lens.new_empty(schedule_size(seq_lens.shape[0], slots), dtype=torch.int32)
+    return seq_lens.new_empty(schedule_size(seq_lens.shape[0], slots, programs), dtype=torch.int32)
 
 
 @dataclass(frozen=True)
 class MLADecodeSchedule:
     """Which keys of which sequence each decode program takes in one decode step (mla_decode_schedule). plan:
-    (batch, key tile, chunk slots, the heuristic's slots, slots at once, smallest chunk), what the table was made for;
+    (batch, key tile, chunk slots, the heuristic's slots, slots at once, smallest chunk, programs with ranges), what
+    the table was made for;
     table: int32 on the device, None where the plan gives one program per sequence or the reference runs (nothing to
     schedule)."""
     plan: tuple
@@ -184,7 +185,7 @@ def _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits):
     from . import kernels
 
     plan = kernels.decode_plan((batch, n_new, heads), latent_cache, max_seqlen_k, num_splits)
-    return batch, plan.cfg["BLOCK_N"], plan.slots, plan.base, plan.wave, plan.min_tiles
+    return batch, plan.cfg["BLOCK_N"], plan.slots, plan.base, plan.wave, plan.min_tiles, plan.programs
 
 
 def _check_decode_shapes(latent_cache, cache_scales, block_tables, seq_lens, batch, num_splits, max_seqlen_k):
@@ -224,8 +225,9 @@ def mla_decode_schedule(
     if not use_triton(seq_lens):
         return MLADecodeSchedule(None, None)
     plan = _schedule_plan(seq_lens.shape[0], q_per_seq, num_heads, latent_cache, max_seqlen_k, num_splits)
-    batch, block_n, slots, base, wave, min_tiles = plan
-    table = _schedule_op(seq_lens, block_n, slots, base, wave, min_tiles) if slots > batch else None
+    batch, block_n, slots, base, wave, min_tiles, programs = plan
+    table = _schedule_op(seq_lens, block_n, slots, base, wave, min_tiles, programs) if slots > batch or programs \
+        else None
     return MLADecodeSchedule(plan, table)
 
 
@@ -278,7 +280,8 @@ def mla_decode(
         if use_triton(q_nope_absorbed):
             plan = _schedule_plan(batch, n_new, heads, latent_cache, max_seqlen_k, num_splits)
             if schedule.plan != plan:
-                raise ValueError(f"schedule was made for (batch, key tile, slots, base slots, wave, smallest chunk) = "
+                raise ValueError(f"schedule was made for (batch, key tile, slots, base slots, wave, smallest chunk, "
+                                 f"programs) = "
                                  f"{schedule.plan}, this call needs {plan}: make it with this call's shapes, "
                                  f"max_seqlen_k and num_splits")
             table = schedule.table

@@ -17,12 +17,11 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     cfg.pop("WS", None)  # the Triton kernel at the Gluon kernel's rows: decode_config's tiles
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)
-    cfg.pop("EXTRA_WAVE", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*bf16", lse_ptr="*fp32", po_ptr="*bf16" if K.FUSED_MERGE else "*fp32", pl_ptr="*fp32",
-                 sched_ptr="*i32", cnt_ptr="*i32", qk_scale="fp32")
+                 sched_ptr="*i32", prog_ptr="*i32", cnt_ptr="*i32", qk_scale="fp32")
     cfg.setdefault("FUSED_MERGE", split and K.FUSED_MERGE)
-    cfg.setdefault("WAVES", 1)
+    cfg.setdefault("RANGES", split)
     ce = dict(PAGE_TILE=True, SPLIT=split, FP8=cache == "fp8e4nv", KV_LORA=512, ROPE=64, INTERPRET=False, **cfg)
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
@@ -68,6 +67,9 @@ def main(argv=None):
 
     sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)
     _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce, 4, 1))
+    rce = dict(BLOCK_N=32, MAX_CHUNKS=S.MAX_CHUNKS, BLOCK=S.RANGE_BLOCK, PROGRAMS=S.RANGE_PROGRAMS)
+    _show("mla range schedule", compile_kernel(S._range_schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), rce,
+                                               8, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

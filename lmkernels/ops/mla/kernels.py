@@ -42,7 +42,8 @@ import triton.language as tl
 
 from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
-from .schedule import MAX_CHUNKS, SCHEDULE_ROW, SWITCH_TILES, build_schedule, merge_entries, schedule_size
+from .schedule import (MAX_CHUNKS, RANGE_MAX_BATCH, SCHEDULE_ROW, SWITCH_TILES, build_schedule, merge_entries,
+                       program_table, schedule_size)
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -233,7 +234,7 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
 
 @triton.jit
 def _mla_decode_kernel(
-    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, cnt_ptr,
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr, cnt_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
     stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
     n_new, heads, page_size, n_rows, qk_scale,
@@ -241,7 +242,7 @@ def _mla_decode_kernel(
     ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     KEYS_MAJOR: tl.constexpr = False, PAGE_TILE: tl.constexpr = False, TMA: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
-    WAVES: tl.constexpr = 1, MERGE_AFTER: tl.constexpr = 0,
+    RANGES: tl.constexpr = False, MERGE_AFTER: tl.constexpr = 0,
 ):
     """Program (m-block, slot). o_ptr [B, Q, H, 512] / lse_ptr [B, Q, H]: the final output (contiguous).
     SPLIT (more slots than sequences): the slot takes the chunk in its row of the schedule sched_ptr (schedule.py:
@@ -249,10 +250,8 @@ def _mla_decode_kernel(
     longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr [slots, Q, H] in the slot's row.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
-    WAVES = 2 (schedule.py's extra wave): the program takes slot p, then slot p + its grid's slots, both rows read
-    at its start. One program doing both, not two programs: launched as 2 × 132 programs (2 fit per SM), the 128
-    busy programs of a uniform 16-head batch ran as if two shared an SM (H100, session p: +25–36%); the hardware's
-    placement of programs is not ours to choose.
+    RANGES (with SPLIT; schedule.py's ranges): program p takes the slots [prog_ptr[p], prog_ptr[p + 1]), one after
+    another (its range of the batch's key tiles, cut at sequence ends).
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
     cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
     output and resets the counter to 0. MERGE_AFTER > 0: only sequences of up to MERGE_AFTER chunks; those of more
@@ -264,27 +263,31 @@ def _mla_decode_kernel(
         gdc_launch_dependents()
     m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
     slot = tl.program_id(1)
-    if SPLIT:
-        seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
-        if WAVES == 2:
-            slot_2 = slot + tl.num_programs(1)
-            seq_2, seq_len_2, start_2, end_2, n_seq_2, first_2 = _schedule_row(sched_ptr, slot_2)
+    if RANGES:
+        slot = tl.load(prog_ptr + tl.program_id(1))
+        last = tl.load(prog_ptr + tl.program_id(1) + 1)
+        while slot < last:
+            seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+            _decode_chunk(
+                qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
+                stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+                n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
+                SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
+                HALVES, MERGE_AFTER)
+            slot += 1
     else:
-        seq, seq_len, start, n_seq, first = slot, tl.load(len_ptr + slot).to(tl.int32), 0, 1, slot
-        end = seq_len
-    _decode_chunk(
-        qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
-        stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt, n_new,
-        heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
-        SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE, HALVES,
-        MERGE_AFTER)
-    if WAVES == 2:
-        _decode_chunk(
-            qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
-            stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
-            n_new, heads, page_size, n_rows, qk_scale, m_block, slot_2, seq_2, seq_len_2, start_2, end_2, n_seq_2,
-            first_2, SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
-            HALVES, MERGE_AFTER)
+        if SPLIT:
+            seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+        else:
+            seq, seq_len, start, n_seq, first = slot, tl.load(len_ptr + slot).to(tl.int32), 0, 1, slot
+            end = seq_len
+        if seq >= 0:  # (−1: a spare slot)
+            _decode_chunk(
+                qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
+                stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+                n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
+                SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
+                HALVES, MERGE_AFTER)
 
 
 @triton.jit
@@ -307,9 +310,7 @@ def _decode_chunk(
     TMA: tl.constexpr, FUSED_MERGE: tl.constexpr, HALVES: tl.constexpr, MERGE_AFTER: tl.constexpr,
 ):
     """Keys [start, end) of sequence seq (of n_seq chunks, the first in slot `first`) for m-block m_block
-    (_mla_decode_kernel); seq −1: a spare slot, nothing to do."""
-    if seq < 0:
-        return
+    (_mla_decode_kernel)."""
     rows = n_new * heads
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = r // heads
@@ -648,9 +649,8 @@ def decode_config(rows: int, fp8: bool = False):
     Chosen by the H100 A/Bs (benchmarks/NOTES.md, issue 6), bf16 cache, page 64:
     16 rows (16 heads, one token): 16×32 rows-major halves, 4 warps, 5 stages, pointer tiles (session l: +2–4%
     over keys-major whole tiles, +10% at B=1 8k; the Gluon kernel, padded to 64 rows, is within ±1% at 32k and
-    3% slower at B=32 8k, so 16 rows no longer take it), 197 registers: 2 programs fit per SM, but splits are
-    sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge), with a
-    extra wave of slots for skewed batches at one split a sequence (EXTRA_WAVE, decode_plan);
+    3–20% slower elsewhere, session r, so 16 rows no longer take it), 197 registers: 2 programs fit per SM, but
+    splits are sized for 1 (half the splits: B=32 8k 8 → 4, merged inside the kernel; B=128 1k 2 → 1, no merge);
     32 rows (16 heads × 2 MTP tokens): 32×32 keys-major halves, 4 warps, 3 stages, TMA, 2 per SM;
     ≥ 64 rows (128 heads: two 64-row blocks per sequence, the second reads the pages from L2): 64×64
     rows-major wgmma tiles, 8 warps, 2 stages, TMA (+7–9% over pointer tiles; 216 KB: 1 per SM; halves −1–4%).
@@ -677,8 +677,7 @@ def decode_config(rows: int, fp8: bool = False):
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
                     PROGRAMS_PER_SM=2, WS=True)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1,
-                EXTRA_WAVE=True)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
 
 
 class DecodePlan(NamedTuple):
@@ -691,26 +690,27 @@ class DecodePlan(NamedTuple):
     base: int  # the slots the heuristic sized; more (one more wave) are for skewed batches (schedule.py)
     wave: int  # slots that run at once
     min_tiles: int  # the smallest chunk, in key tiles
+    programs: int = 0  # > 0: ranges (schedule.py) over this many programs, slots = batch + programs − 1
 
 
 def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> DecodePlan:
     """The launch of a decode call on queries of `shape` (batch, new tokens, heads) over `cache`. The Gluon kernel
     (WS, where decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64
     keys, one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the
-    grid is m-blocks × slots, and the schedule (schedule.py) balances the keys over the slots from the lengths on the
-    device. splits: decode_num_splits's count per sequence (or the caller's); slots: batch × splits, rounded up to
-    whole waves of programs (the spare ones take chunks of long sequences in a skewed batch). At one split a
-    sequence of a batch that fills the GPU, for contexts longer than SWITCH_TILES + 1 key tiles, one more wave of
-    slots, which the schedule uses only where it pays (base: the heuristic's slots): the Gluon kernel launches them
-    as programs of their own (one fits per SM, so they run as SMs free up); the 16-row Triton kernel (EXTRA_WAVE, two
-    fit per SM) only in one wave, each program taking two slots (kernels launched as 2 × 132 programs ran as if two
-    shared an SM, session p). Smallest chunk: the heuristic's chunk (max_context / splits) where keys set the split
-    count, else down to min_keys. Over the base slots a uniform batch at max_context gets exactly the heuristic's
-    chunks: where the GPU sets the count, splits = wave //
-    batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits; where keys do, the
-    smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a grid of shapes); the
-    extra wave may still win where the base leaves SMs idle (B=70 at 8k). A caller's num_splits: slots = batch ×
-    num_splits, any chunk size."""
+    grid is m-blocks × programs, and the schedule (schedule.py) balances the keys over them from the lengths on the
+    device. The Triton kernel (batches up to RANGE_MAX_BATCH) takes ranges: one wave of programs (programs), each
+    taking ~L of the batch's key tiles across sequence ends, at least min_tiles (slots: the pieces they can make).
+    The Gluon kernel takes chunks, one a program: splits: decode_num_splits's count per sequence (or the caller's);
+    slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
+    skewed batch). At one split a sequence of a batch that fills the GPU, for contexts longer than SWITCH_TILES + 1
+    key tiles, one more wave of slots, which the schedule uses only where it pays (base: the heuristic's slots),
+    launched as programs of their own (one fits per SM, so they run as SMs free up). Smallest chunk (or range):
+    the heuristic's chunk (max_context / splits) where keys set the split count, else down to min_keys. Over the
+    base slots a uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count,
+    splits = wave // batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits;
+    where keys do, the smallest chunk is the heuristic's and fits (tests/ops/test_mla_decode.py checks this over a
+    grid of shapes); the extra wave may still win where the base leaves SMs idle (B=70 at 8k). A caller's
+    num_splits: chunks, slots = batch × num_splits, any chunk size."""
     batch, n_new, heads = shape
     fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
@@ -723,7 +723,6 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
-    extra_wave = cfg.pop("EXTRA_WAVE", False)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     small_keys = cfg.pop("SMALL_MIN_KEYS", SMALL_MIN_KEYS)
     block_n = cfg["BLOCK_N"]
@@ -738,14 +737,15 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
+    if not ws and batch <= RANGE_MAX_BATCH:
+        return DecodePlan(cfg, ws, m_blocks, splits, batch + wave - 1, batch + wave - 1, wave, min_tiles, wave)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
     # could never pay, and its programs would only start and return; nor where no sequence can be longer than
     # SWITCH_TILES + 1 tiles: a slot's further chunk costs the cost rule that much, so it never takes the extra wave
     # there (tests/ops/test_mla_decode.py searches for a counterexample), while the Gluon kernel's spare programs
     # and the merge kernel after them cost uniform 128-head batches 4–6 µs a call: NOTES, issue 6, session q)
     longest = triton.cdiv(max_context, block_n)
-    extra = wave if (splits == 1 and 2 * batch > wave and (ws or extra_wave and slots == wave)
-                     and longest > SWITCH_TILES + 1) else 0
+    extra = wave if (splits == 1 and 2 * batch > wave and ws and longest > SWITCH_TILES + 1) else 0
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
@@ -787,20 +787,20 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     if o.numel() == 0:
         return o, lse
     fp8 = cache_scales is not None
-    cfg, ws, m_blocks, splits, slots, base, wave, min_tiles = decode_plan((batch, n_new, heads), cache, max_context,
-                                                                          num_splits, config)
+    cfg, ws, m_blocks, splits, slots, base, wave, min_tiles, programs = decode_plan(
+        (batch, n_new, heads), cache, max_context, num_splits, config)
     cfg.setdefault("PAGE_TILE", cache.shape[1] % cfg["BLOCK_N"] == 0)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["PAGE_TILE"] and not fp8 and cache.data_ptr() % 16 == 0
     if (cfg["TMA"] or ws) and cache.is_cuda:
         _ensure_allocator()
-    split = slots > batch
+    split = slots > batch or programs > 0
     # the Gluon kernel's partials go through the merge kernel (merging in the kernel cost it 8–13 µs: NOTES, issue
     # 6, session i)
     fused = cfg.pop("FUSED_MERGE", FUSED_MERGE) and split and splits <= FUSED_MAX_SPLITS and not ws
-    # where a sequence may take more than FUSED_MAX_CHUNKS chunks (chunks are ≥ min_tiles tiles), those merge in the
-    # merge kernel after the decode kernel: one program merging a long sequence's 64 partials was a skewed batch's
-    # tail (H100, session q: 16 heads 1 × 32k + 31 × 1k 62.7 → 45.3 µs)
-    most_chunks = triton.cdiv(triton.cdiv(max_context, cfg["BLOCK_N"]), min_tiles)
+    # where a sequence may take more than FUSED_MAX_CHUNKS chunks (chunks are ≥ min_tiles tiles; a range may cut
+    # one more), those merge in the merge kernel after the decode kernel: one program merging a long sequence's 64
+    # partials was a skewed batch's tail (H100, session q: 16 heads 1 × 32k + 31 × 1k 62.7 → 45.3 µs)
+    most_chunks = triton.cdiv(triton.cdiv(max_context, cfg["BLOCK_N"]), min_tiles) + (programs > 0)
     merge_after = FUSED_MAX_CHUNKS if fused and most_chunks > FUSED_MAX_CHUNKS else 0
     pdl = cfg.pop("PDL", PDL if ws else TRITON_PDL) and pdl_enabled(q_nope.device)
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
@@ -814,10 +814,10 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         part_o = torch.empty(slots, n_new, heads, KV_LORA, dtype=partial_dtype, device=o.device)
         part_l = torch.empty(slots, n_new, heads, dtype=torch.float32, device=o.device)
         sched = schedule if schedule is not None else build_schedule(seq_lens, cfg["BLOCK_N"], slots, min_tiles, base,
-                                                                     wave)
-        if sched.shape != (schedule_size(batch, slots),):
-            raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots) needs "
-                             f"{schedule_size(batch, slots)}")
+                                                                     wave, programs)
+        if sched.shape != (schedule_size(batch, slots, programs),):
+            raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots, {programs} "
+                             f"programs) needs {schedule_size(batch, slots, programs)}")
     if ws:
         from .kernels_ws import mla_decode_ws
 
@@ -825,12 +825,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
                       slots, pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
-        waves = 2 if slots > base else 1  # (an extra wave: each program takes two slots)
-        _mla_decode_kernel[(m_blocks, slots // waves)](
-            q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched, counters,
+        _mla_decode_kernel[(m_blocks, programs or slots)](
+            q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+            program_table(sched, batch, slots) if programs else sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
             n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, SPLIT=split, FP8=fp8,
-            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, WAVES=waves,
+            KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, RANGES=programs > 0,
             MERGE_AFTER=merge_after, **cfg, **({"launch_pdl": True} if pdl else {}),
         )
     if split and (merge_after or not fused):

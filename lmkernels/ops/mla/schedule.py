@@ -17,9 +17,18 @@ w = ⌈Σnᵢ / wave⌉ chunks one after another, all but one of average length,
 sequence among many short ones no longer runs in a few long chunks on the spare slots of the base waves; a uniform
 batch of short sequences keeps the base.
 
+Ranges (the Triton kernel's launch, kernels.decode_plan): a fixed number of programs, each taking one contiguous
+range of L key tiles of the batch's tiles laid end to end, across sequence ends (FlashMLA's and FlashInfer's
+balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside one program is a piece (a
+"chunk" below: pieces take the chunks' rows, partial slots and merges); program p takes the pieces of the tiles
+[p·L, (p + 1)·L), one after another. Where one chunk size for the batch left a long sequence's chunks to the spare
+slots of a few programs, or a second chunk to some programs, every program now takes ~L tiles: one 16-row program
+streams ~26 GB/s alone, so a program's extra work is the batch's tail (H100, NOTES, issue 6, session r).
+
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
 its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
-(sequence, first chunk's slot, chunks) for each sequence of several chunks, in order."""
+(sequence, first chunk's slot, chunks) for each sequence of several chunks, in order; with ranges, then each
+program's first slot (programs + 1 values: program p takes slots [table[p], table[p + 1]))."""
 
 import torch
 import triton
@@ -39,6 +48,9 @@ PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_k
 # 1 × 8k + 127 × 512 in 16-tile chunks over two waves (against 52 in one) was 25% faster, so < 20. Gluon, 128 heads,
 # 1 × 8k + 127 × 512 in three waves of 8-tile chunks was 7% slower than two waves with 26-tile ones, so > 10.7
 SWITCH_TILES = 16
+RANGE_BLOCK = 1024  # ranges: sequences and pieces in registers (pieces ≤ sequences + programs − 1)
+RANGE_MAX_BATCH = 512  # ranges for batches up to this (kernels.decode_plan: ≤ 264 programs)
+RANGE_PROGRAMS = 512  # ranges: programs + 1 ≤ this (the program table's histogram)
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -47,8 +59,14 @@ def merge_entries(batch: int, slots: int) -> int:
     return max(1, min(batch, slots - batch))
 
 
-def schedule_size(batch: int, slots: int) -> int:
-    return ROW * slots + 1 + 3 * merge_entries(batch, slots)
+def schedule_size(batch: int, slots: int, programs: int = 0) -> int:
+    """Values of the schedule; programs > 0: with ranges (their program table)."""
+    return ROW * slots + 1 + 3 * merge_entries(batch, slots) + (programs + 1 if programs else 0)
+
+
+def program_table(sched: torch.Tensor, batch: int, slots: int) -> torch.Tensor:
+    """The program table of a ranges schedule (a view)."""
+    return sched[ROW * slots + 1 + 3 * merge_entries(batch, slots):]
 
 
 @triton.jit
@@ -208,6 +226,52 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
                 s0 += SEQ_BLOCK
 
 
+@triton.jit(do_not_specialize=["batch", "slots", "programs", "min_tiles"])
+def _range_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles, BLOCK_N: tl.constexpr,
+                           MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    """One program writes the ranges schedule (module docstring) of ≤ BLOCK sequences and pieces, in registers:
+    sequence i's tiles (≥ 1: an empty sequence still writes its output) start at Cᵢ of the batch's tiles laid end to
+    end; its pieces are the programs ⌊Cᵢ / L⌋ … ⌊(Cᵢ + tilesᵢ − 1) / L⌋, numbered in sequence order; the program
+    table counts the pieces before each program. USE_PDL: as _schedule_kernel."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.arange(0, BLOCK)
+    ok = i < batch
+    lens = tl.load(len_ptr + i, mask=ok, other=0).to(tl.int32)
+    tiles = tl.where(ok, tl.maximum(tl.cdiv(lens, BLOCK_N), 1), 0)
+    size = tl.maximum(tl.maximum(min_tiles, tl.cdiv(tl.sum(tiles, 0), programs)),
+                      tl.maximum(tl.cdiv(tl.max(tiles, 0), MAX_CHUNKS - 1), 1))  # L: n ≤ ⌈tiles / L⌉ + 1 chunks
+    start = tl.cumsum(tiles, 0) - tiles  # Cᵢ
+    lo = start // size
+    n = tl.where(ok, (start + tiles - 1) // size - lo + 1, 0)
+    first = tl.cumsum(n, 0) - n
+    pieces = tl.sum(n, 0)
+    tl.store(sched_ptr + SCHEDULE_ROW * slots, _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, 0))
+    seq = tl.cumsum(tl.histogram(first, BLOCK, mask=ok), 0) - 1  # piece k's sequence (as _schedule_kernel's slots)
+    used = i < pieces
+    own = tl.maximum(seq, 0)
+    c_own = tl.gather(start, own, 0)
+    prog = tl.gather(lo, own, 0) + i - tl.gather(first, own, 0)  # the program of piece i
+    t_own = tl.gather(tiles, own, 0)
+    a = tl.maximum(c_own, prog * size) - c_own  # its tiles [a, b) of its sequence
+    b = tl.minimum(c_own + t_own, (prog + 1) * size) - c_own
+    len_own = tl.gather(lens, own, 0)
+    row = sched_ptr + i * SCHEDULE_ROW
+    keep = i < slots
+    tl.store(row, tl.where(used, seq, -1), mask=keep)
+    tl.store(row + 1, len_own, mask=keep)
+    tl.store(row + 2, a * BLOCK_N, mask=keep)
+    tl.store(row + 3, tl.minimum(b * BLOCK_N, len_own), mask=keep)
+    tl.store(row + 4, tl.gather(n, own, 0), mask=keep)
+    tl.store(row + 5, tl.gather(first, own, 0), mask=keep)
+    p = tl.arange(0, PROGRAMS)
+    count = tl.histogram(prog, PROGRAMS, mask=used)
+    table = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * tl.maximum(tl.minimum(batch, slots - batch), 1)
+    tl.store(table + p, tl.cumsum(count, 0) - count, mask=p <= programs)
+
+
 @triton.jit
 def _uniform_slots(sched_ptr, i0, batch, slots, seq_len, c, n, BLOCK_N: tl.constexpr):
     """The schedule of a uniform batch: n chunks of c tiles per sequence, slot s takes chunk s % n of sequence s // n
@@ -251,12 +315,21 @@ def _store_slots(row, seq, seq_len, first, n, slot, chunk_keys, mask):
 
 
 def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: int, base: int = None,
-                   wave: int = None) -> torch.Tensor:
+                   wave: int = None, programs: int = 0) -> torch.Tensor:
     """The schedule of seq_lens [B] over `slots` chunk slots (≥ B) with key tiles of block_n: `base` of them the
-    heuristic's (< slots: an extra wave for skewed batches, `wave` slots at once; module docstring)."""
+    heuristic's (< slots: an extra wave for skewed batches, `wave` slots at once; module docstring); programs > 0:
+    ranges over that many programs (slots = B + programs − 1)."""
     batch = seq_lens.shape[0]
-    sched = torch.empty(schedule_size(batch, slots), dtype=torch.int32, device=seq_lens.device)
+    sched = torch.empty(schedule_size(batch, slots, programs), dtype=torch.int32, device=seq_lens.device)
     pdl = PDL and pdl_enabled(seq_lens.device)
+    if programs:
+        if slots != batch + programs - 1 or slots > RANGE_BLOCK or programs >= RANGE_PROGRAMS:
+            raise ValueError(f"ranges take slots = batch + programs − 1 ≤ {RANGE_BLOCK} and programs < "
+                             f"{RANGE_PROGRAMS}, got batch {batch}, slots {slots}, programs {programs}")
+        _range_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, min_tiles, BLOCK_N=block_n,
+                                     MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK, PROGRAMS=RANGE_PROGRAMS, USE_PDL=pdl,
+                                     num_warps=8, **({"launch_pdl": True} if pdl else {}))
+        return sched
     base = base or slots
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
@@ -298,3 +371,19 @@ def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, wave=None, ma
         ranges.append((first, n))
         first += n
     return c, ranges
+
+
+def range_split(seq_lens, block_n, programs, min_tiles, max_chunks=MAX_CHUNKS):
+    """The ranges schedule in plain Python, for the tests: (tiles a program L, [(first piece, pieces)] per sequence,
+    [(sequence, first key, end key, program)] per piece)."""
+    tiles = [max(1, -(-int(n) // block_n)) for n in seq_lens]
+    size = max(1, min_tiles, -(-sum(tiles) // programs), -(-max(tiles) // (max_chunks - 1)))
+    ranges, pieces, start = [], [], 0
+    for i, t in enumerate(tiles):
+        ranges.append((len(pieces), 0))
+        for p in range(start // size, (start + t - 1) // size + 1):
+            a, b = max(start, p * size) - start, min(start + t, (p + 1) * size) - start
+            pieces.append((i, a * block_n, min(b * block_n, int(seq_lens[i])), p))
+        ranges[-1] = (ranges[-1][0], len(pieces) - ranges[-1][0])
+        start += t
+    return size, ranges, pieces
