@@ -67,9 +67,10 @@ def main(argv=None):
 
     sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)
     _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce, 4, 1))
-    rce = dict(BLOCK_N=32, MAX_CHUNKS=S.MAX_CHUNKS, BLOCK=S.RANGE_BLOCK, PROGRAMS=S.RANGE_PROGRAMS)
-    _show("mla range schedule", compile_kernel(S._range_schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), rce,
-                                               8, 1))
+    rce = dict(BLOCK_N=32, MAX_CHUNKS=S.MAX_CHUNKS, BLOCK=S.RANGE_BLOCK, K=S.CANDIDATES,
+               CUT=S.RANGE_CUT_TILES, DRAM=S.DRAM_PROGRAMS)
+    _show("mla schedule of programs", compile_kernel(S._program_schedule_kernel, dict(len_ptr="*i32",
+                                                                                       sched_ptr="*i32"), rce, 8, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

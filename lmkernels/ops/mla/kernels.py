@@ -42,8 +42,8 @@ import triton.language as tl
 
 from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
-from .schedule import (MAX_CHUNKS, RANGE_MAX_BATCH, SCHEDULE_ROW, SWITCH_TILES, build_schedule, merge_entries,
-                       program_table, schedule_size)
+from .schedule import (MAX_CHUNKS, PROGRAM_ROW_VALUES, RANGE_BLOCK, SCHEDULE_ROW, SWITCH_TILES, build_schedule,
+                       merge_entries, program_rows, schedule_size)
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -250,8 +250,9 @@ def _mla_decode_kernel(
     longer one to the partials po_ptr [slots, Q, H, 512] / pl_ptr [slots, Q, H] in the slot's row.
     Without SPLIT the slot is the sequence. n_rows: pages · page_size (the descriptors' row count); TMA needs
     PAGE_TILE and a 16-bit cache.
-    RANGES (with SPLIT; schedule.py's ranges): program p takes the slots [prog_ptr[p], prog_ptr[p + 1]), one after
-    another (its range of the batch's key tiles, cut at sequence ends).
+    RANGES (with SPLIT; a launch of programs, schedule.py): program p takes the slots its row of prog_ptr names
+    (first slot, count, that slot's row), one after another: chunks, or its range of the batch's key tiles cut at
+    sequence ends.
     FUSED_MERGE (with SPLIT): each chunk's program counts itself in on the (sequence, m-block) counter
     cnt_ptr[sequence · m_blocks + m_block]; the last of the sequence's chunks to arrive merges them into the final
     output and resets the counter to 0. MERGE_AFTER > 0: only sequences of up to MERGE_AFTER chunks; those of more
@@ -264,17 +265,27 @@ def _mla_decode_kernel(
     m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
     slot = tl.program_id(1)
     if RANGES:
-        slot = tl.load(prog_ptr + tl.program_id(1))
-        last = tl.load(prog_ptr + tl.program_id(1) + 1)
-        while slot < last:
-            seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+        prow = prog_ptr + slot * PROGRAM_ROW_VALUES
+        slot, count = tl.load(prow), tl.load(prow + 1)
+        seq, seq_len, start, end, n_seq, first = _schedule_row(prow + 2, 0)
+        if count > 0:  # the first slot straight (as one slot a program), then the others one after another
             _decode_chunk(
                 qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
                 stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
                 n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
                 SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
                 HALVES, MERGE_AFTER)
+            last = slot + count
             slot += 1
+            while slot < last:
+                seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+                _decode_chunk(
+                    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb,
+                    stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp,
+                    stride_sr, stride_bt, n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len,
+                    start, end, n_seq, first, SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR,
+                    PAGE_TILE, TMA, FUSED_MERGE, HALVES, MERGE_AFTER)
+                slot += 1
     else:
         if SPLIT:
             seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
@@ -617,8 +628,10 @@ MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
 # program's serial loads of 8 partials cost as much as the merge kernel they replace
 FUSED_MERGE, FUSED_MAX_SPLITS = True, 4
 # … and a sequence of up to FUSED_MAX_CHUNKS chunks there (a skewed batch gives a long one more: those merge in the
-# merge kernel, which spreads them over many programs; it runs only where a sequence can take more, H100 session q)
-FUSED_MAX_CHUNKS = 32
+# merge kernel, which spreads them over many programs; it runs only where a sequence can take more, H100 session q:
+# 64 partials merged by one program were a skewed batch's tail; 32 chunks, or 33 pieces where a range cuts one
+# more, so that 16 heads B=32 8k, 32 chunks of 8 tiles, launches no merge kernel)
+FUSED_MAX_CHUNKS = 33
 # the separate merge with many rows and ≤ MERGE_ROWS_SPLITS splits: whole rows × all splits per program
 # (MERGE_ROWS_ELEMS row-splits a program). H100 (benchmarks/NOTES.md, issue 6, session j), merge alone, fp32
 # partials: 128 rows × 2 splits 10.7 → 8.1 µs, 32 rows × 4 splits 5.7 → 5.2; whole calls: 128 heads B=32 1k
@@ -698,9 +711,10 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     (WS, where decode_config asks for it and kernels_ws.supported allows) takes 64-row blocks (fewer rows padded) of 64
     keys, one program per SM; otherwise the Triton kernel with decode_config's tiles. Shapes only (CUDA graphs): the
     grid is m-blocks × programs, and the schedule (schedule.py) balances the keys over them from the lengths on the
-    device. The Triton kernel (batches up to RANGE_MAX_BATCH) takes ranges: one wave of programs (programs), each
-    taking ~L of the batch's key tiles across sequence ends, at least min_tiles (slots: the pieces they can make).
-    The Gluon kernel takes chunks, one a program: splits: decode_num_splits's count per sequence (or the caller's);
+    device. The Triton kernel launches the heuristic's slots (below) as programs, which take chunks or ranges of the
+    batch's key tiles across sequence ends, whichever the schedule finds better (schedule.py; slots: the pieces they
+    can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program). The Gluon kernel takes chunks, one a
+    program: splits: decode_num_splits's count per sequence (or the caller's);
     slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
     skewed batch). At one split a sequence of a batch that fills the GPU, for contexts longer than SWITCH_TILES + 1
     key tiles, one more wave of slots, which the schedule uses only where it pays (base: the heuristic's slots),
@@ -737,8 +751,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
-    if not ws and batch <= RANGE_MAX_BATCH:
-        return DecodePlan(cfg, ws, m_blocks, splits, batch + wave - 1, batch + wave - 1, wave, min_tiles, wave)
+    if not ws and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
+        return DecodePlan(cfg, ws, m_blocks, splits, batch + slots - 1, slots, wave, min_tiles, slots)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
     # could never pay, and its programs would only start and return; nor where no sequence can be longer than
     # SWITCH_TILES + 1 tiles: a slot's further chunk costs the cost rule that much, so it never takes the extra wave
@@ -827,7 +841,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](
             q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-            program_table(sched, batch, slots) if programs else sched, counters,
+            program_rows(sched, batch, slots) if programs else sched, counters,
             *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(0), cache.stride(1), *sstr, block_tables.stride(0),
             n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], scale * LOG2E, SPLIT=split, FP8=fp8,
             KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, RANGES=programs > 0,

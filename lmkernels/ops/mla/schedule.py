@@ -10,25 +10,27 @@ decode_num_splits's static split. Shapes decide the launch (slots); only the tab
 graphs capture both kernels. The decode kernels once found their chunk themselves, each program repeating the
 search: that cost ~3.6 µs a program in the Gluon kernel (H100, benchmarks/NOTES.md, issue 6, session n).
 
-One more wave: where the launch was sized for `base` slots at one chunk a sequence, it may hold a wave more (`wave`
-slots run at once; kernels.decode_plan). The schedule then also finds c₂, the smallest c that fits all the slots,
-and takes it only where the busiest slot's work drops, estimated (in tiles) as c + (w − 1) · (tiles / Σnᵢ + SWITCH):
-w = ⌈Σnᵢ / wave⌉ chunks one after another, all but one of average length, each further one paying SWITCH. So a long
-sequence among many short ones no longer runs in a few long chunks on the spare slots of the base waves; a uniform
-batch of short sequences keeps the base.
+One more wave (the Gluon kernel's launch, kernels.decode_plan): where the launch was sized for `base` slots at one
+chunk a sequence, it may hold a wave more (`wave` slots run at once). The schedule then also finds c₂, the smallest
+c that fits all the slots, and takes it only where the busiest slot's work drops, estimated (in tiles) as c + (w −
+1) · (tiles / Σnᵢ + SWITCH): w = ⌈Σnᵢ / wave⌉ chunks one after another, all but one of average length, each further
+one paying SWITCH. So a long sequence among many short ones no longer runs in a few long chunks on the spare slots
+of the base waves; a uniform batch of short sequences keeps the base.
 
-Ranges (the Triton kernel's launch, kernels.decode_plan): a fixed number of programs, each taking one contiguous
-range of L key tiles of the batch's tiles laid end to end, across sequence ends (FlashMLA's and FlashInfer's
-balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside one program is a piece (a
-"chunk" below: pieces take the chunks' rows, partial slots and merges); program p takes the pieces of the tiles
-[p·L, (p + 1)·L), one after another. Where one chunk size for the batch left a long sequence's chunks to the spare
-slots of a few programs, or a second chunk to some programs, every program now takes ~L tiles: one 16-row program
-streams ~26 GB/s alone, so a program's extra work is the batch's tail (H100, NOTES, issue 6, session r).
+A launch of programs (the Triton kernel's, kernels.decode_plan: the base slots as programs): each program takes
+either chunks (c over the programs as slots, as above; ⌊chunks / programs⌋ a program, one more for the first chunks %
+programs programs) or one contiguous range of L key tiles of the batch's tiles laid end to end, across sequence
+ends (FlashMLA's and FlashInfer's balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside
+one program is a piece (a "chunk" below: pieces take the chunks' rows, partial slots and merges); a program takes
+its pieces one after another. Ranges where the busiest program's work drops, in tiles: L + CUT against ⌈chunks /
+programs⌉ · (c + CUT) − CUT, neither below Σ tilesᵢ / DRAM (constants below). One 16-row program streams ~26 GB/s
+alone, so a skewed batch's time is its busiest program's work (H100, benchmarks/NOTES.md, issue 6, session r).
 
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
 its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
-(sequence, first chunk's slot, chunks) for each sequence of several chunks, in order; with ranges, then each
-program's first slot (programs + 1 values: program p takes slots [table[p], table[p + 1]))."""
+(sequence, first chunk's slot, chunks) for each sequence of several chunks, in order; for a launch of programs,
+then a row of PROGRAM_ROW values a program: its first slot, its slot count (it takes the slots from the first
+on), and its first slot's row."""
 
 import torch
 import triton
@@ -38,6 +40,8 @@ from ..._utils import gdc_launch_dependents, gdc_wait, pdl_enabled
 
 ROW = 6
 SCHEDULE_ROW = tl.constexpr(ROW)  # (jit functions read module globals only as constexprs)
+PROGRAM_ROW = 8  # a program's row: its first slot, its slot count, then its first slot's row
+PROGRAM_ROW_VALUES = tl.constexpr(PROGRAM_ROW)
 MAX_CHUNKS = 256  # chunks of one sequence at most (what the merge takes)
 SEQ_BLOCK = 256  # sequences per block (the first block stays in registers through the search)
 CANDIDATES = 16  # chunk sizes tested per search round
@@ -48,9 +52,13 @@ PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_k
 # 1 × 8k + 127 × 512 in 16-tile chunks over two waves (against 52 in one) was 25% faster, so < 20. Gluon, 128 heads,
 # 1 × 8k + 127 × 512 in three waves of 8-tile chunks was 7% slower than two waves with 26-tile ones, so > 10.7
 SWITCH_TILES = 16
-RANGE_BLOCK = 1024  # ranges: sequences and pieces in registers (pieces ≤ sequences + programs − 1)
-RANGE_MAX_BATCH = 512  # ranges for batches up to this (kernels.decode_plan: ≤ 264 programs)
-RANGE_PROGRAMS = 512  # ranges: programs + 1 ≤ this (the program table's histogram)
+RANGE_BLOCK = 1024  # a launch of programs: sequences and pieces in registers (slots = batch + programs − 1)
+# The cost rule between chunks and ranges, in key tiles of one program streaming alone (H100, NOTES, issue 6, session
+# r): a range cut at a sequence end costs its program a second start (q, the pipeline's fill) and both pieces a
+# partial and a merge, ~RANGE_CUT_TILES; and no launch beats DRAM, which DRAM_PROGRAMS programs at one program's rate
+# saturate (26 GB/s each against ~2.7 TB/s), so the busiest program's work counts only above Σ tiles / DRAM_PROGRAMS
+RANGE_CUT_TILES = 8
+DRAM_PROGRAMS = 100
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -60,12 +68,12 @@ def merge_entries(batch: int, slots: int) -> int:
 
 
 def schedule_size(batch: int, slots: int, programs: int = 0) -> int:
-    """Values of the schedule; programs > 0: with ranges (their program table)."""
-    return ROW * slots + 1 + 3 * merge_entries(batch, slots) + (programs + 1 if programs else 0)
+    """Values of the schedule; programs > 0: a launch of programs (their rows, PROGRAM_ROW values each)."""
+    return ROW * slots + 1 + 3 * merge_entries(batch, slots) + PROGRAM_ROW * programs
 
 
-def program_table(sched: torch.Tensor, batch: int, slots: int) -> torch.Tensor:
-    """The program table of a ranges schedule (a view)."""
+def program_rows(sched: torch.Tensor, batch: int, slots: int) -> torch.Tensor:
+    """The program rows of a launch of programs (a view, PROGRAM_ROW values a program)."""
     return sched[ROW * slots + 1 + 3 * merge_entries(batch, slots):]
 
 
@@ -227,13 +235,17 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
 
 
 @triton.jit(do_not_specialize=["batch", "slots", "programs", "min_tiles"])
-def _range_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles, BLOCK_N: tl.constexpr,
-                           MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
-    """One program writes the ranges schedule (module docstring) of ≤ BLOCK sequences and pieces, in registers:
-    sequence i's tiles (≥ 1: an empty sequence still writes its output) start at Cᵢ of the batch's tiles laid end to
-    end; its pieces are the programs ⌊Cᵢ / L⌋ … ⌊(Cᵢ + tilesᵢ − 1) / L⌋, numbered in sequence order; the program
-    table counts the pieces before each program. USE_PDL: as _schedule_kernel."""
+def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles, BLOCK_N: tl.constexpr,
+                             MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                             K: tl.constexpr, CUT: tl.constexpr, DRAM: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """One program writes the schedule of a launch of `programs` programs (the Triton kernel's; module docstring) for
+    ≤ BLOCK sequences and pieces, in registers: chunks (of c tiles, c the balanced split's over `programs` slots; program
+    p takes ⌊chunks / programs⌋ or one more, in order) or ranges (sequence i's tiles, ≥ 1 so that an empty one still
+    writes its output, start at Cᵢ of the batch's tiles laid end to end; its pieces are the programs ⌊Cᵢ / L⌋ …
+    ⌊(Cᵢ + tilesᵢ − 1) / L⌋), whichever leaves the busiest program less work by the cost rule of the module
+    docstring; pieces numbered in sequence order; each program's row (its first slot, slot count, that slot's
+    row).
+    USE_PDL: as _schedule_kernel."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -241,11 +253,22 @@ def _range_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles
     ok = i < batch
     lens = tl.load(len_ptr + i, mask=ok, other=0).to(tl.int32)
     tiles = tl.where(ok, tl.maximum(tl.cdiv(lens, BLOCK_N), 1), 0)
-    size = tl.maximum(tl.maximum(min_tiles, tl.cdiv(tl.sum(tiles, 0), programs)),
-                      tl.maximum(tl.cdiv(tl.max(tiles, 0), MAX_CHUNKS - 1), 1))  # L: n ≤ ⌈tiles / L⌉ + 1 chunks
-    start = tl.cumsum(tiles, 0) - tiles  # Cᵢ
-    lo = start // size
-    n = tl.where(ok, (start + tiles - 1) // size - lo + 1, 0)
+    total = tl.sum(tiles, 0)
+    most = tl.max(tiles, 0)
+    lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(most, MAX_CHUNKS)), tl.maximum(tl.cdiv(total, programs), 1))
+    c = _smallest_fit(len_ptr, batch, lens, lo, tl.maximum(lo, tl.cdiv(most, programs // batch)), programs, K,
+                      BLOCK_N)
+    n_chunks = tl.where(ok, tl.cdiv(tiles, c), 0)
+    chunks = tl.sum(n_chunks, 0)
+    per = tl.cdiv(chunks, programs)  # the busiest program's chunks
+    size = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, programs)),
+                      tl.maximum(tl.cdiv(most, MAX_CHUNKS - 1), 1))  # L: ≤ ⌈tiles / L⌉ + 1 pieces a sequence
+    dram = total // DRAM
+    ranges = tl.maximum(size + CUT, dram) < tl.maximum(per * c + (per - 1) * CUT, dram)
+    start = tl.where(ranges, tl.cumsum(tiles, 0) - tiles, 0)  # Cᵢ (chunks: each sequence from 0 in steps of c)
+    size = tl.where(ranges, size, c)
+    first_prog = start // size
+    n = tl.where(ok, (start + tiles - 1) // size - first_prog + 1, 0)
     first = tl.cumsum(n, 0) - n
     pieces = tl.sum(n, 0)
     tl.store(sched_ptr + SCHEDULE_ROW * slots, _list_merges(sched_ptr + SCHEDULE_ROW * slots, i, first, n, ok, 0))
@@ -253,10 +276,10 @@ def _range_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles
     used = i < pieces
     own = tl.maximum(seq, 0)
     c_own = tl.gather(start, own, 0)
-    prog = tl.gather(lo, own, 0) + i - tl.gather(first, own, 0)  # the program of piece i
+    j = i - tl.gather(first, own, 0)  # piece i is piece j of its sequence
     t_own = tl.gather(tiles, own, 0)
-    a = tl.maximum(c_own, prog * size) - c_own  # its tiles [a, b) of its sequence
-    b = tl.minimum(c_own + t_own, (prog + 1) * size) - c_own
+    a = tl.maximum(c_own, (tl.gather(first_prog, own, 0) + j) * size) - c_own  # its tiles [a, b)
+    b = tl.minimum(c_own + t_own, (tl.gather(first_prog, own, 0) + j + 1) * size) - c_own
     len_own = tl.gather(lens, own, 0)
     row = sched_ptr + i * SCHEDULE_ROW
     keep = i < slots
@@ -266,10 +289,26 @@ def _range_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles
     tl.store(row + 3, tl.minimum(b * BLOCK_N, len_own), mask=keep)
     tl.store(row + 4, tl.gather(n, own, 0), mask=keep)
     tl.store(row + 5, tl.gather(first, own, 0), mask=keep)
-    p = tl.arange(0, PROGRAMS)
-    count = tl.histogram(prog, PROGRAMS, mask=used)
-    table = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * tl.maximum(tl.minimum(batch, slots - batch), 1)
-    tl.store(table + p, tl.cumsum(count, 0) - count, mask=p <= programs)
+    # piece i's program: ranges, the one its tiles lie in; chunks, the first chunks % programs programs take one more
+    q, r = pieces // programs, pieces % programs
+    prog = tl.where(ranges, tl.gather(first_prog, own, 0) + j,
+                    tl.where(i < r * (q + 1), i // (q + 1), r + (i - r * (q + 1)) // tl.maximum(q, 1)))
+    # each program's row: its first slot and slot count, then that slot's row (so that a program reads one row,
+    # not a table entry and then a row: a dependent load less before its first tile)
+    p = tl.arange(0, BLOCK)
+    count = tl.histogram(prog, BLOCK, mask=used)
+    slot0 = tl.cumsum(count, 0) - count
+    at = tl.minimum(slot0, BLOCK - 1)
+    prow = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * tl.maximum(tl.minimum(batch, slots - batch), 1) + p * PROGRAM_ROW_VALUES
+    mine = p < programs
+    tl.store(prow, slot0, mask=mine)
+    tl.store(prow + 1, count, mask=mine)
+    tl.store(prow + 2, tl.gather(seq, at, 0), mask=mine)
+    tl.store(prow + 3, tl.gather(len_own, at, 0), mask=mine)
+    tl.store(prow + 4, tl.gather(a * BLOCK_N, at, 0), mask=mine)
+    tl.store(prow + 5, tl.gather(tl.minimum(b * BLOCK_N, len_own), at, 0), mask=mine)
+    tl.store(prow + 6, tl.gather(tl.gather(n, own, 0), at, 0), mask=mine)
+    tl.store(prow + 7, tl.gather(tl.gather(first, own, 0), at, 0), mask=mine)
 
 
 @triton.jit
@@ -318,19 +357,20 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
                    wave: int = None, programs: int = 0) -> torch.Tensor:
     """The schedule of seq_lens [B] over `slots` chunk slots (≥ B) with key tiles of block_n: `base` of them the
     heuristic's (< slots: an extra wave for skewed batches, `wave` slots at once; module docstring); programs > 0:
-    ranges over that many programs (slots = B + programs − 1)."""
+    a launch of that many programs (chunks over them as slots, or ranges; slots = B + programs − 1)."""
     batch = seq_lens.shape[0]
     sched = torch.empty(schedule_size(batch, slots, programs), dtype=torch.int32, device=seq_lens.device)
     pdl = PDL and pdl_enabled(seq_lens.device)
-    if programs:
-        if slots != batch + programs - 1 or slots > RANGE_BLOCK or programs >= RANGE_PROGRAMS:
-            raise ValueError(f"ranges take slots = batch + programs − 1 ≤ {RANGE_BLOCK} and programs < "
-                             f"{RANGE_PROGRAMS}, got batch {batch}, slots {slots}, programs {programs}")
-        _range_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, min_tiles, BLOCK_N=block_n,
-                                     MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK, PROGRAMS=RANGE_PROGRAMS, USE_PDL=pdl,
-                                     num_warps=8, **({"launch_pdl": True} if pdl else {}))
-        return sched
     base = base or slots
+    if programs:
+        if slots != batch + programs - 1 or slots > RANGE_BLOCK or programs < batch:
+            raise ValueError(f"a launch of programs takes programs ≥ batch and slots = batch + programs − 1 ≤ "
+                             f"{RANGE_BLOCK}, got batch {batch}, slots {slots}, programs {programs}")
+        _program_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, min_tiles, BLOCK_N=block_n,
+                                       MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK,
+                                       K=CANDIDATES, CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl,
+                                       num_warps=8, **({"launch_pdl": True} if pdl else {}))
+        return sched
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
                            SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=4,
@@ -373,17 +413,29 @@ def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, wave=None, ma
     return c, ranges
 
 
-def range_split(seq_lens, block_n, programs, min_tiles, max_chunks=MAX_CHUNKS):
-    """The ranges schedule in plain Python, for the tests: (tiles a program L, [(first piece, pieces)] per sequence,
-    [(sequence, first key, end key, program)] per piece)."""
+def program_split(seq_lens, block_n, programs, min_tiles, max_chunks=MAX_CHUNKS):
+    """The schedule of a launch of programs (_program_schedule_kernel) in plain Python, for the tests: (ranges: bool,
+    tiles a chunk or range, [(first piece, pieces)] per sequence, [(sequence, first key, end key, program)] per
+    piece)."""
     tiles = [max(1, -(-int(n) // block_n)) for n in seq_lens]
-    size = max(1, min_tiles, -(-sum(tiles) // programs), -(-max(tiles) // (max_chunks - 1)))
-    ranges, pieces, start = [], [], 0
+    total = sum(tiles)
+    c, _ = split_schedule([t * block_n for t in tiles], block_n, programs, min_tiles, max_chunks=max_chunks)
+    chunks = sum(-(-t // c) for t in tiles)
+    per = -(-chunks // programs)
+    size = max(1, min_tiles, -(-total // programs), -(-max(tiles) // (max_chunks - 1)))
+    dram = total // DRAM_PROGRAMS
+    ranges = max(size + RANGE_CUT_TILES, dram) < max(per * c + (per - 1) * RANGE_CUT_TILES, dram)
+    size = size if ranges else c
+    spans, pieces, start = [], [], 0
     for i, t in enumerate(tiles):
-        ranges.append((len(pieces), 0))
+        first = len(pieces)
         for p in range(start // size, (start + t - 1) // size + 1):
             a, b = max(start, p * size) - start, min(start + t, (p + 1) * size) - start
-            pieces.append((i, a * block_n, min(b * block_n, int(seq_lens[i])), p))
-        ranges[-1] = (ranges[-1][0], len(pieces) - ranges[-1][0])
-        start += t
-    return size, ranges, pieces
+            pieces.append([i, a * block_n, min(b * block_n, int(seq_lens[i])), p])
+        spans.append((first, len(pieces) - first))
+        start += t if ranges else 0
+    if not ranges:  # chunks in order, ⌊chunks / programs⌋ a program and one more for the first chunks % programs
+        q, r = divmod(len(pieces), programs)
+        for k, piece in enumerate(pieces):
+            piece[3] = k // (q + 1) if k < r * (q + 1) else r + (k - r * (q + 1)) // max(q, 1)
+    return ranges, size, spans, [tuple(x) for x in pieces]
