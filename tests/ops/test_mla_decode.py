@@ -211,7 +211,7 @@ def test_decode_fake_shapes():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         q_nope, q_pe, cache, scales, tables, seq_lens = fake
         o, lse = api._decode_op(q_nope, q_pe, cache, scales, tables, seq_lens, SCALE, 0, 32, None)
-        table = api._schedule_op(seq_lens, 32, 9, 9, 9, 1)
+        table = api._schedule_op(seq_lens, 32, 9, 9, 9, 1, 0)
     assert o.shape == (2, 2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 2, 16) and lse.dtype == torch.float32
     assert table.shape == (schedule.schedule_size(2, 9),) and table.dtype == torch.int32
@@ -307,6 +307,71 @@ def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base, wave):
     assert all(rows[s][0] == -1 for s in range(slot, slots))  # spare slots
 
 
+@pytest.mark.parametrize("lens,block_n,programs,min_tiles,ranges", [
+    ([8192] + [512] * 127, 32, 132, 8, True),  # a long sequence among short ones: ranges, 18 tiles a program
+    ([1024] * 100, 32, 132, 8, False),  # uniform, 32 tiles a sequence: chunks (a cut costs more than 25 tiles save)
+    ([1024] * 256, 32, 264, 8, False),  # more sequences than one wave: one chunk a program
+    ([8192] * 70, 32, 132, 8, True),  # 70 programs of 256 tiles, or 132 of 136: ranges
+    ([100, 0, 3, 64, 65], 32, 8, 1, False),  # an empty sequence; chunks of 2 tiles
+    ([6000, 3, 17], 32, 4, 8, True),  # the last program takes three pieces, two of them whole sequences
+    ([1000], 32, 132, 1, False),  # one sequence, 32 chunks of one tile
+    ([0], 32, 1, 1, False),  # one empty sequence, one program
+    ([5000 + 997 * i % 4099 for i in range(300)], 64, 396, 4, None),  # 300 sequences, 695 slots
+    ([300000, 10] + [50] * 30, 16, 132, 1, None),  # a long one: ≥ 74 tiles a chunk (≤ MAX_CHUNKS)
+])
+def test_program_schedule(monkeypatch, lens, block_n, programs, min_tiles, ranges):
+    """The schedule of a launch of programs (the Triton kernel's: chunks or ranges, chosen by the cost rule) against
+    its plain-Python definition (schedule.program_split): every slot's row, spare slots −1, the merge list, and each
+    program's row (its first slot, its count, that slot's row): a program's pieces are consecutive slots, every key
+    of every sequence in exactly one piece. The table starts as garbage (torch.empty poisoned)."""
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    batch = len(lens)
+    slots = batch + programs - 1
+    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles,
+                                    programs=programs)
+    got_ranges, size, spans, pieces = schedule.program_split(lens, block_n, programs, min_tiles)
+    assert ranges is None or got_ranges == ranges
+    rows = sched[:schedule.ROW * slots].view(slots, schedule.ROW).tolist()
+    for k, (i, start, end, _) in enumerate(pieces):
+        assert rows[k] == [i, lens[i], start, end, spans[i][1], spans[i][0]], k
+    assert all(row[0] == -1 for row in rows[len(pieces):])
+    for i, (first, n) in enumerate(spans):  # the pieces cover each sequence, in order
+        keys = [(pieces[k][1], pieces[k][2]) for k in range(first, first + n)]
+        assert keys[0][0] == 0 and keys[-1][1] == lens[i] and all(a[1] == b[0] for a, b in zip(keys, keys[1:]))
+        assert n <= schedule.MAX_CHUNKS
+    several = [(i, first, n) for i, (first, n) in enumerate(spans) if n > 1]
+    merge = sched[schedule.ROW * slots:].tolist()
+    assert merge[0] == len(several) and merge[1:1 + 3 * len(several)] == [v for e in several for v in e]
+    prow = schedule.program_rows(sched, batch, slots).view(programs, schedule.PROGRAM_ROW).tolist()
+    done = 0
+    for p in range(programs):
+        mine = [k for k, piece in enumerate(pieces) if piece[3] == p]
+        assert prow[p][:2] == [done, len(mine)] and mine == list(range(done, done + len(mine))), p
+        if mine:
+            assert prow[p][2:] == rows[done]
+        done += len(mine)
+    assert done == len(pieces)
+    if got_ranges:  # every program's range within L tiles
+        tiles = [0] * programs
+        for i, start, end, p in pieces:
+            tiles[p] += -(-max(end - start, 1) // block_n)
+        assert max(tiles) <= size
+
+
+def test_program_cost_rule():
+    """Chunks or ranges on an H100's launches of 132 programs (16 heads, 32-key tiles, min_tiles 8): ranges where a
+    skewed batch would leave some programs far more than the average (NOTES, issue 6, session r: 1 × 8k + 127 × 512
+    68 → 47 µs, 8 × 4k + 120 × 256 50 → 41, 70 × 8k 284 → 243), chunks where the batch splits evenly (a cut costs
+    its program a start, a partial and a merge) or DRAM sets the pace anyway."""
+    def ranges(lens):
+        return schedule.program_split(lens, 32, 132, 8)[0]
+
+    assert ranges([8192] + [512] * 127) and ranges([4096] * 8 + [256] * 120) and ranges([8192] * 70)
+    assert ranges([16384] + [300] * 60 + [2000] * 20)
+    for lens in ([1024] * 128, [1024] * 100, [8192] * 32, [8192] * 128, [32768] + [1024] * 31, [1024], [8000] * 3):
+        assert not ranges(lens), lens
+
+
 def test_extra_wave_never_taken_for_short_sequences():
     """The cost rule never takes the extra wave while no sequence is longer than SWITCH_TILES + 1 tiles (a slot's
     further chunk costs SWITCH_TILES on top of its keys), the bound decode_plan relies on to launch no extra wave for
@@ -335,17 +400,19 @@ def test_extra_wave_never_taken_for_short_sequences():
 
 
 def test_extra_wave_only_where_a_sequence_can_take_it(monkeypatch):
-    """decode_plan launches the extra wave only for contexts longer than SWITCH_TILES + 1 key tiles (the Gluon
-    kernel's 64-key tiles at 128 heads, the 16-row kernel's 32-key ones), on an H100's 132 SMs."""
+    """decode_plan launches the Gluon kernel's extra wave only for contexts longer than SWITCH_TILES + 1 key tiles
+    (64 keys, 128 heads, an H100's 132 SMs); the 16-row Triton kernel launches its base slots as programs, with a
+    slot for every piece they can make (batch + programs − 1), at every context."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     bound = schedule.SWITCH_TILES + 1
-    for heads, block_n in ((128, 64), (16, 32)):
-        for ctx, extra in ((bound * block_n, False), (bound * block_n + 1, True), (8192, True)):
-            plan = kernels.decode_plan((128, 1, heads), cache, ctx)
-            assert plan.cfg["BLOCK_N"] == block_n and (plan.slots > plan.base) == extra, (heads, ctx, plan)
+    for ctx, extra in ((bound * 64, False), (bound * 64 + 1, True), (8192, True)):
+        plan = kernels.decode_plan((128, 1, 128), cache, ctx)
+        assert plan.ws and plan.programs == 0 and (plan.slots > plan.base) == extra, (ctx, plan)
+        plan = kernels.decode_plan((128, 1, 16), cache, ctx)
+        assert not plan.ws and (plan.programs, plan.base, plan.slots) == (132, 132, 128 + 131), (ctx, plan)
 
 
 @pytest.mark.parametrize("gluon", [False, True])
@@ -361,47 +428,49 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
             for ctx in (1, 100, 300, 1000, 1024, 8000, 8192, 32768, 131072):
-                cfg, _, _, splits, _, base, _, min_tiles = kernels.decode_plan((batch, n_new, heads), cache, ctx)
-                block_n = cfg["BLOCK_N"]
-                chunk = -(-(-(-ctx // splits)) // block_n) * block_n  # the static split's chunk (keys)
-                c, ranges = schedule.split_schedule([ctx] * batch, block_n, base, min_tiles)
+                plan = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+                block_n = plan.cfg["BLOCK_N"]
+                chunk = -(-(-(-ctx // plan.splits)) // block_n) * block_n  # the static split's chunk (keys)
+                c, ranges = schedule.split_schedule([ctx] * batch, block_n, plan.base, plan.min_tiles)
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
 
 
-@pytest.mark.parametrize("heads,n_new,lens,want_slots", [
-    (16, 1, [600, 3, 17, 0, 45], 8), (16, 2, [600, 3, 17, 0, 45], 8), (128, 1, [600, 3, 17, 0, 45], 6),
-    (16, 1, [6000, 3, 17], 8),  # one wave of 4 slots and a second one, which the long sequence takes
+@pytest.mark.parametrize("heads,n_new,lens,ranges,pieces", [
+    (16, 1, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]), (16, 2, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]),
+    (128, 1, [600, 3, 17, 0, 45], False, [2, 1, 1, 1, 1]),
+    (16, 1, [6000, 3, 17], True, [4, 1, 1]),  # ranges: the last program takes the long one's end and both others
 ])
-def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, want_slots):
-    """The default launch on a skewed batch (a 4-SM GPU: one split each, slots rounded up to whole waves, 8 for 5
-    sequences, 6 at two m-blocks; for 3 sequences at 16 rows a second wave), with the step's schedule made once and
-    used by two calls: the long sequence takes the spare slots (several chunks, merged), the others one chunk each,
-    written without a merge; an empty sequence; outputs, partials and the schedule NaN-poisoned, cache rows past
-    each end NaN; the merge counters are reset after each call."""
+def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, ranges, pieces):
+    """The default launch on a skewed batch (a 4-SM GPU: the heuristic's slots as programs, 8 for 5 sequences, 6 at
+    two m-blocks, 4 for 3), with the step's schedule made once and used by two calls: chunks where the long
+    sequence's fit the spare programs (several chunks, merged; the others one each, written without a merge), ranges
+    where the busiest program's work drops (pieces across sequence ends, a program taking several); an empty
+    sequence; outputs, partials and the schedule NaN-poisoned, cache rows past each end NaN; the merge counters
+    are reset after each call."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
     monkeypatch.setattr(torch, "empty", nan_empty)
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=heads, n_new=n_new, page=64)
     _nan_past_ends(cache, tables, lens, 64)
     sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=max(lens))
-    batch, block_n, slots, base, wave, min_tiles = sched.plan
-    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base, wave)
-    assert slots == want_slots
-    one_wave = base - (batch - 1)  # chunks the long sequence could take in one wave
-    assert ranges[0][1] > (one_wave if slots > base else 1) and all(n == 1 for _, n in ranges[1:])
+    batch, block_n, slots, base, wave, min_tiles, programs = sched.plan
+    assert programs == base and slots == batch + programs - 1
+    got = schedule.program_split(lens, block_n, programs, min_tiles)
+    assert got[0] == ranges and [n for _, n in got[2]] == pieces
+    if ranges:
+        assert [p for *_, p in got[3]].count(programs - 1) == 3
     _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max(lens),
                                         schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
 
 
-@pytest.mark.parametrize("lens,most,chunks", [
-    ([4000, 1000, 5], 4, [5, 2, 1]), ([1000, 4000, 5], 4, [2, 5, 1]), ([900, 300, 4000, 3000], 2, [1, 1, 3, 3])])
-def test_decode_merge_in_kernel_and_after(monkeypatch, lens, most, chunks):
-    """Skewed batches whose long sequences take more chunks than the in-kernel merge takes (FUSED_MAX_CHUNKS = most
-    here) and shorter ones fewer (a 4-SM GPU, 16 rows): the decode kernel merges the short ones' partials, the merge
-    kernel after it the long ones' (its programs by rank among those: the long one first, second in the merge list,
-    or two of them); NaN-poisoned outputs, partials and schedule, NaN past each end, two calls (the counters
-    reset)."""
-    monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
-    monkeypatch.setattr(kernels, "FUSED_MAX_CHUNKS", most)
+@pytest.mark.parametrize("sms,lens,pieces", [
+    (4, [6000, 3000, 1000], [3, 2, 1]), (4, [4000, 4000, 5], [2, 3, 1]), (8, [2000, 6000, 3000, 1000], [2, 5, 3, 1])])
+def test_decode_merge_in_kernel_and_after(monkeypatch, sms, lens, pieces):
+    """Skewed batches whose long sequences take more pieces (ranges) than the in-kernel merge takes (FUSED_MAX_CHUNKS
+    = 2 here) and shorter ones fewer (16 rows): the decode kernel merges the short ones' partials, the merge kernel
+    after it the long ones' (its programs by rank among those: the long one first, second in the merge list, or
+    two of them); NaN-poisoned outputs, partials and schedule, NaN past each end, two calls (the counters reset)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
+    monkeypatch.setattr(kernels, "FUSED_MAX_CHUNKS", 2)
     monkeypatch.setattr(torch, "empty", nan_empty)
     merges = []
     merge = kernels.merge_partials
@@ -409,12 +478,12 @@ def test_decode_merge_in_kernel_and_after(monkeypatch, lens, most, chunks):
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
     _nan_past_ends(cache, tables, lens, 64)
     sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=16, max_seqlen_k=max(lens))
-    batch, block_n, slots, base, wave, min_tiles = sched.plan
-    _, ranges = schedule.split_schedule(lens, block_n, slots, min_tiles, base, wave)
-    assert [n for _, n in ranges] == chunks
+    batch, block_n, slots, base, wave, min_tiles, programs = sched.plan
+    got = schedule.program_split(lens, block_n, programs, min_tiles)
+    assert got[0] and [n for _, n in got[2]] == pieces
     _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max(lens),
                                         schedule=sched), q_nope, q_pe, cache, tables, seq_lens)
-    assert merges and all(m[-1] == most + 1 for m in merges)
+    assert merges and all(m[-1] == 3 for m in merges)
 
 
 def test_decode_schedule_checks():
@@ -452,7 +521,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
                                                 (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66)),
                                                 (1, 8192, 32, (66, 66, 66)), (1, 32768, 66, (66, 66, 66))):
-        cfg, ws, m_blocks, splits, slots, base, wave, _ = kernels.decode_plan((batch, 1, 128), cache, ctx)
-        assert ws and m_blocks == 2
-        assert (splits, (slots, base, wave)) == (want_splits, want_slots)
+        plan = kernels.decode_plan((batch, 1, 128), cache, ctx)
+        assert plan.ws and plan.m_blocks == 2 and plan.programs == 0
+        assert (plan.splits, (plan.slots, plan.base, plan.wave)) == (want_splits, want_slots)
     assert kernels.decode_plan((1, 2, 16), cache, 8192).splits == 64  # 32 rows (16 × 2): 128 keys a split
