@@ -307,19 +307,19 @@ def test_schedule(monkeypatch, lens, block_n, slots, min_tiles, base, wave):
     assert all(rows[s][0] == -1 for s in range(slot, slots))  # spare slots
 
 
-@pytest.mark.parametrize("lens,block_n,programs,min_tiles,ranges", [
-    ([8192] + [512] * 127, 32, 132, 8, True),  # a long sequence among short ones: ranges, 18 tiles a program
-    ([1024] * 100, 32, 132, 8, False),  # uniform, 32 tiles a sequence: chunks (a cut costs more than 25 tiles save)
-    ([1024] * 256, 32, 264, 8, False),  # more sequences than one wave: one chunk a program
-    ([8192] * 70, 32, 132, 8, True),  # 70 programs of 256 tiles, or 132 of 136: ranges
-    ([100, 0, 3, 64, 65], 32, 8, 1, False),  # an empty sequence; chunks of 2 tiles
-    ([6000, 3, 17], 32, 4, 8, True),  # the last program takes three pieces, two of them whole sequences
-    ([1000], 32, 132, 1, False),  # one sequence, 32 chunks of one tile
-    ([0], 32, 1, 1, False),  # one empty sequence, one program
-    ([5000 + 997 * i % 4099 for i in range(300)], 64, 396, 4, None),  # 300 sequences, 695 slots
-    ([300000, 10] + [50] * 30, 16, 132, 1, None),  # a long one: ≥ 74 tiles a chunk (≤ MAX_CHUNKS)
+@pytest.mark.parametrize("lens,block_n,programs,wave,min_tiles,ranges", [
+    ([8192] + [512] * 127, 32, 132, 132, 8, True),  # a long sequence among short ones: ranges, 18 tiles a program
+    ([1024] * 100, 32, 132, 132, 8, False),  # uniform, 32 tiles a sequence: chunks (a cut costs more than it saves)
+    ([1024] * 256, 32, 264, 132, 8, False),  # more sequences than one wave: one chunk a program
+    ([8192] * 70, 32, 132, 132, 8, True),  # 70 programs of 256 tiles, or 132 of 136: ranges
+    ([100, 0, 3, 64, 65], 32, 8, 8, 1, False),  # an empty sequence; chunks of 2 tiles
+    ([6000, 3, 17], 32, 4, 4, 8, True),  # the last program takes three pieces, two of them whole sequences
+    ([1000], 32, 132, 132, 1, False),  # one sequence, 32 chunks of one tile
+    ([0], 32, 1, 1, 1, False),  # one empty sequence, one program
+    ([5000 + 997 * i % 4099 for i in range(300)], 64, 396, 132, 4, None),  # 300 sequences, 695 slots
+    ([300000, 10] + [50] * 30, 16, 132, 132, 1, None),  # a long one: ≥ 74 tiles a chunk (≤ MAX_CHUNKS)
 ])
-def test_program_schedule(monkeypatch, lens, block_n, programs, min_tiles, ranges):
+def test_program_schedule(monkeypatch, lens, block_n, programs, wave, min_tiles, ranges):
     """The schedule of a launch of programs (the Triton kernel's: chunks or ranges, chosen by the cost rule) against
     its plain-Python definition (schedule.program_split): every slot's row, spare slots −1, the merge list, and each
     program's row (its first slot, its count, that slot's row): a program's pieces are consecutive slots, every key
@@ -327,9 +327,9 @@ def test_program_schedule(monkeypatch, lens, block_n, programs, min_tiles, range
     monkeypatch.setattr(torch, "empty", nan_empty)
     batch = len(lens)
     slots = batch + programs - 1
-    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles,
+    sched = schedule.build_schedule(torch.tensor(lens, dtype=torch.int32), block_n, slots, min_tiles, wave=wave,
                                     programs=programs)
-    got_ranges, size, spans, pieces = schedule.program_split(lens, block_n, programs, min_tiles)
+    got_ranges, size, spans, pieces = schedule.program_split(lens, block_n, programs, min_tiles, wave)
     assert ranges is None or got_ranges == ranges
     rows = sched[:schedule.ROW * slots].view(slots, schedule.ROW).tolist()
     for k, (i, start, end, _) in enumerate(pieces):
@@ -359,16 +359,20 @@ def test_program_schedule(monkeypatch, lens, block_n, programs, min_tiles, range
 
 
 def test_program_cost_rule():
-    """Chunks or ranges on an H100's launches of 132 programs (16 heads, 32-key tiles, min_tiles 8): ranges where a
-    skewed batch would leave some programs far more than the average (NOTES, issue 6, session r: 1 × 8k + 127 × 512
-    68 → 47 µs, 8 × 4k + 120 × 256 50 → 41, 70 × 8k 284 → 243), chunks where the batch splits evenly (a cut costs
-    its program a start, a partial and a merge) or DRAM sets the pace anyway."""
+    """Chunks or ranges on an H100's launches (16 heads, 32-key tiles, min_tiles 8; 132 programs, 264 past 132
+    sequences, two to an SM): ranges where some programs would take far more than the average (NOTES, issue 6,
+    session r: 1 × 8k + 127 × 512 68 → 47 µs, 8 × 4k + 120 × 256 50 → 41, 70 × 8k 284 → 243, 250 random lengths
+    559 → 417), chunks where the batch splits evenly (a cut costs its program a start, a partial and a merge) or DRAM
+    sets the pace anyway."""
     def ranges(lens):
-        return schedule.program_split(lens, 32, 132, 8)[0]
+        programs = 132 if len(lens) <= 132 else 264
+        return schedule.program_split(lens, 32, programs, 8, 132)[0]
 
     assert ranges([8192] + [512] * 127) and ranges([4096] * 8 + [256] * 120) and ranges([8192] * 70)
-    assert ranges([16384] + [300] * 60 + [2000] * 20)
-    for lens in ([1024] * 128, [1024] * 100, [8192] * 32, [8192] * 128, [32768] + [1024] * 31, [1024], [8000] * 3):
+    assert ranges([16384] + [300] * 60 + [2000] * 20) and ranges([4096] * 100) and ranges([4096] * 200)
+    assert ranges([1 + 977 * i % 8192 for i in range(250)])
+    for lens in ([1024] * 128, [1024] * 100, [8192] * 32, [8192] * 128, [32768] + [1024] * 31, [1024], [8000] * 3,
+                 [1024] * 200, [4096] * 64):
         assert not ranges(lens), lens
 
 
@@ -454,7 +458,7 @@ def test_decode_skewed_batch(monkeypatch, heads, n_new, lens, ranges, pieces):
     sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=max(lens))
     batch, block_n, slots, base, wave, min_tiles, programs = sched.plan
     assert programs == base and slots == batch + programs - 1
-    got = schedule.program_split(lens, block_n, programs, min_tiles)
+    got = schedule.program_split(lens, block_n, programs, min_tiles, wave)
     assert got[0] == ranges and [n for _, n in got[2]] == pieces
     if ranges:
         assert [p for *_, p in got[3]].count(programs - 1) == 3
@@ -479,7 +483,7 @@ def test_decode_merge_in_kernel_and_after(monkeypatch, sms, lens, pieces):
     _nan_past_ends(cache, tables, lens, 64)
     sched = mla_decode_schedule(cache, tables, seq_lens, num_heads=16, max_seqlen_k=max(lens))
     batch, block_n, slots, base, wave, min_tiles, programs = sched.plan
-    got = schedule.program_split(lens, block_n, programs, min_tiles)
+    got = schedule.program_split(lens, block_n, programs, min_tiles, wave)
     assert got[0] and [n for _, n in got[2]] == pieces
     _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max(lens),
                                         schedule=sched), q_nope, q_pe, cache, tables, seq_lens)

@@ -23,7 +23,8 @@ programs programs) or one contiguous range of L key tiles of the batch's tiles l
 ends (FlashMLA's and FlashInfer's balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside
 one program is a piece (a "chunk" below: pieces take the chunks' rows, partial slots and merges); a program takes
 its pieces one after another. Ranges where the busiest program's work drops, in tiles: L + CUT against ⌈chunks /
-programs⌉ · (c + CUT) − CUT, neither below Σ tilesᵢ / DRAM (constants below). One 16-row program streams ~26 GB/s
+programs⌉ · (c + CUT) − CUT, both times the programs that share an SM (⌈programs / wave⌉), neither below Σ tilesᵢ /
+DRAM (constants below). One 16-row program streams ~26 GB/s
 alone, so a skewed batch's time is its busiest program's work (H100, benchmarks/NOTES.md, issue 6, session r).
 
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
@@ -55,10 +56,12 @@ SWITCH_TILES = 16
 RANGE_BLOCK = 1024  # a launch of programs: sequences and pieces in registers (slots = batch + programs − 1)
 # The cost rule between chunks and ranges, in key tiles of one program streaming alone (H100, NOTES, issue 6, session
 # r): a range cut at a sequence end costs its program a second start (q, the pipeline's fill) and both pieces a
-# partial and a merge, ~RANGE_CUT_TILES; and no launch beats DRAM, which DRAM_PROGRAMS programs at one program's rate
-# saturate (26 GB/s each against ~2.7 TB/s), so the busiest program's work counts only above Σ tiles / DRAM_PROGRAMS
-RANGE_CUT_TILES = 8
-DRAM_PROGRAMS = 100
+# partial and a merge, ~RANGE_CUT_TILES; programs that share an SM (more programs than a wave) each take that many
+# times longer a tile; and no launch beats DRAM, which DRAM_PROGRAMS programs at one program's rate saturate (26 GB/s
+# each against ~3 TB/s), so the busiest program's work counts only above Σ tiles / DRAM_PROGRAMS. Fitted on 38
+# batches (r-8, r-10): the rule takes the faster layout on all but one (3.7% slower there)
+RANGE_CUT_TILES = 10
+DRAM_PROGRAMS = 120
 
 
 def merge_entries(batch: int, slots: int) -> int:
@@ -234,8 +237,8 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
                 s0 += SEQ_BLOCK
 
 
-@triton.jit(do_not_specialize=["batch", "slots", "programs", "min_tiles"])
-def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_tiles, BLOCK_N: tl.constexpr,
+@triton.jit(do_not_specialize=["batch", "slots", "programs", "wave", "min_tiles"])
+def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, min_tiles, BLOCK_N: tl.constexpr,
                              MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
                              K: tl.constexpr, CUT: tl.constexpr, DRAM: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the schedule of a launch of `programs` programs (the Triton kernel's; module docstring) for
@@ -264,7 +267,8 @@ def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, min_til
     size = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, programs)),
                       tl.maximum(tl.cdiv(most, MAX_CHUNKS - 1), 1))  # L: ≤ ⌈tiles / L⌉ + 1 pieces a sequence
     dram = total // DRAM
-    ranges = tl.maximum(size + CUT, dram) < tl.maximum(per * c + (per - 1) * CUT, dram)
+    share = tl.cdiv(programs, wave)  # programs sharing an SM
+    ranges = tl.maximum((size + CUT) * share, dram) < tl.maximum((per * c + (per - 1) * CUT) * share, dram)
     start = tl.where(ranges, tl.cumsum(tiles, 0) - tiles, 0)  # Cᵢ (chunks: each sequence from 0 in steps of c)
     size = tl.where(ranges, size, c)
     first_prog = start // size
@@ -366,7 +370,8 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
         if slots != batch + programs - 1 or slots > RANGE_BLOCK or programs < batch:
             raise ValueError(f"a launch of programs takes programs ≥ batch and slots = batch + programs − 1 ≤ "
                              f"{RANGE_BLOCK}, got batch {batch}, slots {slots}, programs {programs}")
-        _program_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, min_tiles, BLOCK_N=block_n,
+        _program_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, wave or programs, min_tiles,
+                                       BLOCK_N=block_n,
                                        MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK,
                                        K=CANDIDATES, CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl,
                                        num_warps=8, **({"launch_pdl": True} if pdl else {}))
@@ -413,7 +418,7 @@ def split_schedule(seq_lens, block_n, slots, min_tiles, base=None, wave=None, ma
     return c, ranges
 
 
-def program_split(seq_lens, block_n, programs, min_tiles, max_chunks=MAX_CHUNKS):
+def program_split(seq_lens, block_n, programs, min_tiles, wave=None, max_chunks=MAX_CHUNKS):
     """The schedule of a launch of programs (_program_schedule_kernel) in plain Python, for the tests: (ranges: bool,
     tiles a chunk or range, [(first piece, pieces)] per sequence, [(sequence, first key, end key, program)] per
     piece)."""
@@ -424,7 +429,8 @@ def program_split(seq_lens, block_n, programs, min_tiles, max_chunks=MAX_CHUNKS)
     per = -(-chunks // programs)
     size = max(1, min_tiles, -(-total // programs), -(-max(tiles) // (max_chunks - 1)))
     dram = total // DRAM_PROGRAMS
-    ranges = max(size + RANGE_CUT_TILES, dram) < max(per * c + (per - 1) * RANGE_CUT_TILES, dram)
+    share = -(-programs // (wave or programs))
+    ranges = max((size + RANGE_CUT_TILES) * share, dram) < max((per * c + (per - 1) * RANGE_CUT_TILES) * share, dram)
     size = size if ranges else c
     spans, pieces, start = [], [], 0
     for i, t in enumerate(tiles):
