@@ -14,18 +14,18 @@ config HALVES c_kv comes as two [BLOCK_N, 256] tiles, each with its own score do
 Where the page size is a multiple of BLOCK_N (a tile lies in one page) and the cache is 16-bit, full tiles can
 come through TMA descriptors over the cache viewed as [pages · page_size, 576] (config TMA), the partial last
 tile of a split through masked pointer loads.
-Online softmax in base 2, fp32 accumulators. Splits: the grid is m-blocks × slots (from shapes only, so CUDA
-graphs capture it; no host sync), and each program reads its chunk of keys from its row of the step's schedule
-(schedule.py, computed on the device from the lengths, once per step: one chunk size for the whole batch, the
-smallest that fits the slots, so that a long sequence in a skewed batch takes the spare slots; in a uniform batch
-this is decode_num_splits's static split). A sequence
-of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in their
-slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤ FUSED_MAX_SPLITS
-splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence, m-block), merges; o
-partials in the query dtype; a skewed batch's sequences of more than FUSED_MAX_CHUNKS chunks are left to the merge
-kernel after it), else by a second kernel over the list of sequences to merge (fp32 partials; the Gluon kernel's in
-the query dtype). With an extra wave of slots (schedule.py; 16 rows) each program takes two
-slots, one after the other. The Gluon kernel is launched with programmatic dependent launch (PDL), so that its
+Online softmax in base 2, fp32 accumulators. Splits: the grid is m-blocks × programs (from shapes only, so CUDA
+graphs capture it; no host sync), and each program reads its keys from its row of the step's schedule (schedule.py,
+computed on the device from the lengths, once per step): chunks of one size for the whole batch, the smallest that
+fits (in a uniform batch decode_num_splits's static split; a long sequence in a skewed batch takes the spare
+programs), or, for this kernel where that leaves some programs far more work than others, contiguous ranges of the
+batch's key tiles cut at sequence ends; a program takes its chunks or pieces (both "slots") one after another. A
+sequence of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in
+their slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤
+FUSED_MAX_SPLITS splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence,
+m-block), merges; o partials in the query dtype; a skewed batch's sequences of more than FUSED_MAX_CHUNKS chunks are
+left to the merge kernel after it), else by a second kernel over the list of sequences to merge (fp32 partials; the
+Gluon kernel's in the query dtype). The Gluon kernel is launched with programmatic dependent launch (PDL), so that its
 programs wait on the SMs while the kernel before them drains; the Triton kernel not (PDL, TRITON_PDL). FP8 cache:
 tiles are dequantised (value · scale of its group) to the query dtype in registers before the dots, the scales
 loaded once per key and 128-value group.
@@ -703,7 +703,7 @@ class DecodePlan(NamedTuple):
     base: int  # the slots the heuristic sized; more (one more wave) are for skewed batches (schedule.py)
     wave: int  # slots that run at once
     min_tiles: int  # the smallest chunk, in key tiles
-    programs: int = 0  # > 0: ranges (schedule.py) over this many programs, slots = batch + programs − 1
+    programs: int = 0  # > 0: a launch of programs taking chunks or ranges (schedule.py); slots = batch + programs − 1
 
 
 def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> DecodePlan:

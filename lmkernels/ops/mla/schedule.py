@@ -24,8 +24,8 @@ ends (FlashMLA's and FlashInfer's balance): L = ⌈Σ tilesᵢ / programs⌉, at
 one program is a piece (a "chunk" below: pieces take the chunks' rows, partial slots and merges); a program takes
 its pieces one after another. Ranges where the busiest program's work drops, in tiles: L + CUT against ⌈chunks /
 programs⌉ · (c + CUT) − CUT, both times the programs that share an SM (⌈programs / wave⌉), neither below Σ tilesᵢ /
-DRAM (constants below). One 16-row program streams ~26 GB/s
-alone, so a skewed batch's time is its busiest program's work (H100, benchmarks/NOTES.md, issue 6, session r).
+DRAM (constants below). One 16-row program streams ~26 GB/s alone, so a skewed batch's time is its busiest
+program's work (H100, benchmarks/NOTES.md, issue 6, session r).
 
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
 its chunk count, the slot of its first chunk; sequence −1: a spare slot), then the merge list: its length, then
@@ -239,16 +239,15 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
 
 @triton.jit(do_not_specialize=["batch", "slots", "programs", "wave", "min_tiles"])
 def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, min_tiles, BLOCK_N: tl.constexpr,
-                             MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-                             K: tl.constexpr, CUT: tl.constexpr, DRAM: tl.constexpr, USE_PDL: tl.constexpr = False):
+                             MAX_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, CUT: tl.constexpr,
+                             DRAM: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the schedule of a launch of `programs` programs (the Triton kernel's; module docstring) for
-    ≤ BLOCK sequences and pieces, in registers: chunks (of c tiles, c the balanced split's over `programs` slots; program
-    p takes ⌊chunks / programs⌋ or one more, in order) or ranges (sequence i's tiles, ≥ 1 so that an empty one still
-    writes its output, start at Cᵢ of the batch's tiles laid end to end; its pieces are the programs ⌊Cᵢ / L⌋ …
-    ⌊(Cᵢ + tilesᵢ − 1) / L⌋), whichever leaves the busiest program less work by the cost rule of the module
-    docstring; pieces numbered in sequence order; each program's row (its first slot, slot count, that slot's
-    row).
-    USE_PDL: as _schedule_kernel."""
+    ≤ BLOCK sequences and pieces, in registers: chunks (of c tiles, c the balanced split's over the programs as
+    slots; program p takes ⌊chunks / programs⌋ or one more, in order) or ranges (sequence i's tiles, ≥ 1 so that an
+    empty one still writes its output, start at Cᵢ of the batch's tiles laid end to end; its pieces are the
+    programs ⌊Cᵢ / L⌋ … ⌊(Cᵢ + tilesᵢ − 1) / L⌋), whichever leaves the busiest program less work by the cost rule of
+    the module docstring; pieces numbered in sequence order; each program's row (its first slot, slot count, that
+    slot's row). USE_PDL: as _schedule_kernel."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -303,7 +302,8 @@ def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, m
     count = tl.histogram(prog, BLOCK, mask=used)
     slot0 = tl.cumsum(count, 0) - count
     at = tl.minimum(slot0, BLOCK - 1)
-    prow = sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * tl.maximum(tl.minimum(batch, slots - batch), 1) + p * PROGRAM_ROW_VALUES
+    prow = (sched_ptr + SCHEDULE_ROW * slots + 1 + 3 * tl.maximum(tl.minimum(batch, slots - batch), 1)
+            + p * PROGRAM_ROW_VALUES)
     mine = p < programs
     tl.store(prow, slot0, mask=mine)
     tl.store(prow + 1, count, mask=mine)
@@ -371,10 +371,9 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
             raise ValueError(f"a launch of programs takes programs ≥ batch and slots = batch + programs − 1 ≤ "
                              f"{RANGE_BLOCK}, got batch {batch}, slots {slots}, programs {programs}")
         _program_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, wave or programs, min_tiles,
-                                       BLOCK_N=block_n,
-                                       MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK,
-                                       K=CANDIDATES, CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl,
-                                       num_warps=8, **({"launch_pdl": True} if pdl else {}))
+                                       BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK, K=CANDIDATES,
+                                       CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl, num_warps=8,
+                                       **({"launch_pdl": True} if pdl else {}))
         return sched
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
