@@ -18,13 +18,11 @@ one paying SWITCH. So a long sequence among many short ones no longer runs in a 
 of the base waves; a uniform batch of short sequences keeps the base.
 
 A launch of programs (the Triton kernel's, kernels.decode_plan: the base slots as programs): each program takes
-either chunks (c over the programs as slots, as above; ⌊chunks / programs⌋ a program, one more for the first chunks %
-programs programs) or one contiguous range of L key tiles of the batch's tiles laid end to end, across sequence
+either a chunk (c over the programs as slots, as above: at most one a program) or one contiguous range of L key tiles of the batch's tiles laid end to end, across sequence
 ends (FlashMLA's and FlashInfer's balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside
 one program is a piece (a "chunk" below: pieces take the chunks' rows, partial slots and merges); a program takes
-its pieces one after another. Ranges where the busiest program's work drops, in tiles: L + CUT against ⌈chunks /
-programs⌉ · (c + CUT) − CUT, both times the programs that share an SM (⌈programs / wave⌉), neither below Σ tilesᵢ /
-DRAM (constants below). One 16-row program streams ~26 GB/s alone, so a skewed batch's time is its busiest
+its pieces one after another. Ranges where the busiest program's work drops, in tiles: L + CUT against c, both
+times the programs that share an SM (⌈programs / wave⌉), neither below Σ tilesᵢ / DRAM (constants below). One 16-row program streams ~26 GB/s alone, so a skewed batch's time is its busiest
 program's work (H100, benchmarks/NOTES.md, issue 6, session r).
 
 Layout of the schedule (int32, one tensor): slots rows of ROW = 6 values (sequence, its length, first key, end key,
@@ -243,7 +241,7 @@ def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, m
                              DRAM: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the schedule of a launch of `programs` programs (the Triton kernel's; module docstring) for
     ≤ BLOCK sequences and pieces, in registers: chunks (of c tiles, c the balanced split's over the programs as
-    slots; program p takes ⌊chunks / programs⌋ or one more, in order) or ranges (sequence i's tiles, ≥ 1 so that an
+    slots; chunk p to program p) or ranges (sequence i's tiles, ≥ 1 so that an
     empty one still writes its output, start at Cᵢ of the batch's tiles laid end to end; its pieces are the
     programs ⌊Cᵢ / L⌋ … ⌊(Cᵢ + tilesᵢ − 1) / L⌋), whichever leaves the busiest program less work by the cost rule of
     the module docstring; pieces numbered in sequence order; each program's row (its first slot, slot count, that
@@ -260,14 +258,11 @@ def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, m
     lo = tl.maximum(tl.maximum(min_tiles, tl.cdiv(most, MAX_CHUNKS)), tl.maximum(tl.cdiv(total, programs), 1))
     c = _smallest_fit(len_ptr, batch, lens, lo, tl.maximum(lo, tl.cdiv(most, programs // batch)), programs, K,
                       BLOCK_N)
-    n_chunks = tl.where(ok, tl.cdiv(tiles, c), 0)
-    chunks = tl.sum(n_chunks, 0)
-    per = tl.cdiv(chunks, programs)  # the busiest program's chunks
     size = tl.maximum(tl.maximum(min_tiles, tl.cdiv(total, programs)),
                       tl.maximum(tl.cdiv(most, MAX_CHUNKS - 1), 1))  # L: ≤ ⌈tiles / L⌉ + 1 pieces a sequence
     dram = total // DRAM
     share = tl.cdiv(programs, wave)  # programs sharing an SM
-    ranges = tl.maximum((size + CUT) * share, dram) < tl.maximum((per * c + (per - 1) * CUT) * share, dram)
+    ranges = tl.maximum((size + CUT) * share, dram) < tl.maximum(c * share, dram)
     start = tl.where(ranges, tl.cumsum(tiles, 0) - tiles, 0)  # Cᵢ (chunks: each sequence from 0 in steps of c)
     size = tl.where(ranges, size, c)
     first_prog = start // size
@@ -292,10 +287,7 @@ def _program_schedule_kernel(len_ptr, sched_ptr, batch, slots, programs, wave, m
     tl.store(row + 3, tl.minimum(b * BLOCK_N, len_own), mask=keep)
     tl.store(row + 4, tl.gather(n, own, 0), mask=keep)
     tl.store(row + 5, tl.gather(first, own, 0), mask=keep)
-    # piece i's program: ranges, the one its tiles lie in; chunks, the first chunks % programs programs take one more
-    q, r = pieces // programs, pieces % programs
-    prog = tl.where(ranges, tl.gather(first_prog, own, 0) + j,
-                    tl.where(i < r * (q + 1), i // (q + 1), r + (i - r * (q + 1)) // tl.maximum(q, 1)))
+    prog = tl.where(ranges, tl.gather(first_prog, own, 0) + j, i)  # piece i's program (chunks: ≤ one a program)
     # each program's row: its first slot and slot count, then that slot's row (so that a program reads one row,
     # not a table entry and then a row: a dependent load less before its first tile)
     p = tl.arange(0, BLOCK)
@@ -424,12 +416,10 @@ def program_split(seq_lens, block_n, programs, min_tiles, wave=None, max_chunks=
     tiles = [max(1, -(-int(n) // block_n)) for n in seq_lens]
     total = sum(tiles)
     c, _ = split_schedule([t * block_n for t in tiles], block_n, programs, min_tiles, max_chunks=max_chunks)
-    chunks = sum(-(-t // c) for t in tiles)
-    per = -(-chunks // programs)
     size = max(1, min_tiles, -(-total // programs), -(-max(tiles) // (max_chunks - 1)))
     dram = total // DRAM_PROGRAMS
     share = -(-programs // (wave or programs))
-    ranges = max((size + RANGE_CUT_TILES) * share, dram) < max((per * c + (per - 1) * RANGE_CUT_TILES) * share, dram)
+    ranges = max((size + RANGE_CUT_TILES) * share, dram) < max(c * share, dram)
     size = size if ranges else c
     spans, pieces, start = [], [], 0
     for i, t in enumerate(tiles):
@@ -439,8 +429,7 @@ def program_split(seq_lens, block_n, programs, min_tiles, wave=None, max_chunks=
             pieces.append([i, a * block_n, min(b * block_n, int(seq_lens[i])), p])
         spans.append((first, len(pieces) - first))
         start += t if ranges else 0
-    if not ranges:  # chunks in order, ⌊chunks / programs⌋ a program and one more for the first chunks % programs
-        q, r = divmod(len(pieces), programs)
+    if not ranges:  # chunk k to program k (c fits the programs as slots)
         for k, piece in enumerate(pieces):
-            piece[3] = k // (q + 1) if k < r * (q + 1) else r + (k - r * (q + 1)) // max(q, 1)
+            piece[3] = k
     return ranges, size, spans, [tuple(x) for x in pieces]
