@@ -264,17 +264,24 @@ def _mla_decode_kernel(
         gdc_launch_dependents()
     m_block = tl.program_id(0)  # fastest: the m-blocks of one chunk read the same pages back to back (L2)
     slot = tl.program_id(1)
-    if RANGES:
+    if RANGES:  # the program's row: its first slot, its slot count, that slot's row
         prow = prog_ptr + slot * PROGRAM_ROW_VALUES
         slot, count = tl.load(prow), tl.load(prow + 1)
         seq, seq_len, start, end, n_seq, first = _schedule_row(prow + 2, 0)
-        if count > 0:  # the first slot straight (as one slot a program), then the others one after another
-            _decode_chunk(
-                qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
-                stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
-                n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
-                SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
-                HALVES, MERGE_AFTER)
+    elif SPLIT:
+        seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
+        count = (seq >= 0).to(tl.int32)  # (−1: a spare slot)
+    else:
+        seq, seq_len, start, n_seq, first, count = slot, tl.load(len_ptr + slot).to(tl.int32), 0, 1, slot, 1
+        end = seq_len
+    if count > 0:  # the first slot straight (as one slot a program), then any others one after another
+        _decode_chunk(
+            qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
+            stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
+            n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
+            SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
+            HALVES, MERGE_AFTER)
+        if RANGES:
             last = slot + count
             slot += 1
             while slot < last:
@@ -286,19 +293,6 @@ def _mla_decode_kernel(
                     start, end, n_seq, first, SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR,
                     PAGE_TILE, TMA, FUSED_MERGE, HALVES, MERGE_AFTER)
                 slot += 1
-    else:
-        if SPLIT:
-            seq, seq_len, start, end, n_seq, first = _schedule_row(sched_ptr, slot)
-        else:
-            seq, seq_len, start, n_seq, first = slot, tl.load(len_ptr + slot).to(tl.int32), 0, 1, slot
-            end = seq_len
-        if seq >= 0:  # (−1: a spare slot)
-            _decode_chunk(
-                qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, stride_qnb, stride_qnt,
-                stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cp, stride_cr, stride_sp, stride_sr, stride_bt,
-                n_new, heads, page_size, n_rows, qk_scale, m_block, slot, seq, seq_len, start, end, n_seq, first,
-                SPLIT, FP8, KV_LORA, ROPE, BLOCK_M, BLOCK_N, INTERPRET, KEYS_MAJOR, PAGE_TILE, TMA, FUSED_MERGE,
-                HALVES, MERGE_AFTER)
 
 
 @triton.jit
