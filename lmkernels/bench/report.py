@@ -162,15 +162,23 @@ def best_cell(row) -> str:
     return f"{row['best_peer']} {value:.0f}"
 
 
+def read_cell(row) -> str:
+    """The row's read ceiling in its goal's measure (% of copy or of GEMM): what no op over its bytes passes."""
+    r = row.get("read_ceiling") or {}
+    pct = r.get("pct_gemm", r.get("pct_copy"))
+    return "–" if pct is None else f"{pct:.1f}% of {'GEMM' if 'pct_gemm' in r else 'copy'}"
+
+
 def table_rows(result: dict):
     """(header, rows of cells) for the main table of a suite result; figures in each row's unit."""
     rows = result.get("rows", [])
     names = peer_names(rows)
     units = any("unit" in row for row in rows)
     gemm = any(row.get("pct_gemm") is not None for row in rows)  # suites with compute-bound rows (mla)
+    read = any(row.get("read_ceiling") for row in rows)  # suites that measure a read of each row's bytes (mla)
     header = ["op", "shape", "dtype", *(["unit"] if units else []), "ours" if units else "ours GB/s", "% of copy",
-              *(["% of GEMM"] if gemm else []), *names, "best peer" if units else "best (compile/Liger)",
-              "ours / best", "goal"]
+              *(["% of GEMM"] if gemm else []), *(["read-only bound"] if read else []), *names,
+              "best peer" if units else "best (compile/Liger)", "ours / best", "goal"]
     body = []
     for row in rows:
         body.append([
@@ -178,6 +186,7 @@ def table_rows(result: dict):
             *([row.get("unit", "GB/s")] if units else []), ours_cell(row),
             _num(row.get("pct_copy"), "{:.1f}%"),
             *([_num(row.get("pct_gemm") if row.get("unit") == "TFLOP/s" else None, "{:.1f}%")] if gemm else []),
+            *([read_cell(row)] if read else []),
             *[peer_cell(row, n) for n in names],
             best_cell(row), ratio_cell(row), goal_text(row),
         ])

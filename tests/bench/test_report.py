@@ -62,6 +62,18 @@ def test_cycling_rotates_sets():
         timing.cycling(lambda: None, [])
 
 
+@pytest.mark.parametrize("n,programs,block", [(1000, 3, 64), (64, 5, 64), (4097, 2, 256)])
+def test_read_kernel_sums_every_value(n, programs, block):
+    """The read ceiling's kernel reads every value once (partials NaN-poisoned first; sizes not multiples of a
+    block, more programs than blocks)."""
+    from lmkernels.bench import ceilings
+
+    x = torch.randn(n, dtype=torch.bfloat16)
+    part = ceilings.read_partials(x, programs, block, out=torch.full((programs,), float("nan")))
+    assert part.shape == (programs,) and not torch.isnan(part).any()
+    torch.testing.assert_close(part.double().sum(), x.double().sum(), rtol=1e-5, atol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- rows
 
 

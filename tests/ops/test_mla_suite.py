@@ -33,9 +33,11 @@ def test_mla_suite_registered():
     assert bench.load_suite("mla") is suite
 
 
-def test_mla_suite_dry_run(dry_run):
+def test_mla_suite_dry_run(dry_run, monkeypatch):
     result = {"suite": "mla", "ceilings": {"copy_gbps": 3000.0, "gemm_bf16_tflops": 700.0}, "rows": []}
     saves = []
+    read = {"read_gbps": 100.0, "read_ms": 0.25, "read_by": "fake"}  # the GPU's read ceiling, as if measured
+    monkeypatch.setattr(suite, "_read_ceiling", lambda nbytes: read)
     suite.run(result, quick=True, save=lambda: saves.append(len(result["rows"])))
     rows, skewed = result["rows"][:3], result["rows"][3:]
     assert saves == [1, 2, 3, 4, 5]
@@ -56,8 +58,11 @@ def test_mla_suite_dry_run(dry_run):
     assert mem["unit"] == "GB/s" and mem["pct_copy"] > 0 and mem["bytes"] == 40 * 576 * 2 + 4 * 1088 * 2
     assert compute["unit"] == "TFLOP/s" and compute["pct_gemm"] > 0
     assert compute["flops"] == 2 * 128 * 20 * 2176
+    # the read ceiling in each row's goal measure: % of copy, or the row's FLOPs in the read's time as % of GEMM
+    assert mem["read_ceiling"] == {**read, "pct_copy": 100 * 100.0 / 3000.0} and "100 GB/s" in mem["note"]
+    assert compute["read_ceiling"]["pct_gemm"] == pytest.approx(100 * compute["flops"] / 0.25e-3 / 1e12 / 700.0)
     md = report.render_markdown([{**result, "gpu": "dry", "versions": {}}])
-    assert "mla_decode" in md
+    assert "mla_decode" in md and "| read-only bound |" in md and "3.3% of copy" in md
 
 
 def _flex_dry(monkeypatch, fail_first):

@@ -40,7 +40,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from .. import harness, timing
+from .. import ceilings, harness, timing
 from ..counts import gbps, tflops
 from ..harness import goal_text, log_line, rel_err, short_error
 
@@ -433,6 +433,9 @@ def decode_case(batch, ctx, heads, n_new):
             row["goal"]["gemm"] = bool(ours["tflops"] >= GEMM_GOAL * gemm)
         elif not compute and copy:
             row["goal"]["copy"] = bool(ours["gbps"] >= COPY_GOAL * copy)
+        read = _read_ceiling(nbytes)
+        if read:
+            row["read_ceiling"] = _read_bound(read, flops, compute)
     goal_txt = (f"≥ {GEMM_GOAL:.0%} of bf16 GEMM" if compute
                 else f"≥ {COPY_GOAL:.0%} of copy")
     figs = ", ".join(f"{p['name']} {p[key]:.1f}" for p in peers if key in p) or "no SDPA backend ran"
@@ -441,9 +444,37 @@ def decode_case(batch, ctx, heads, n_new):
     row["note"] = (f"{label}: {unit} ours {ours_fig} ({extra}{ours.get('gbps', 0):.0f} GB/s, "
                    f"{ours.get('tflops', 0):.1f} TFLOP/s), {figs}; goal {goal_txt}; page {PAGE}, "
                    f"{tiles}, {plan.splits} splits on {programs} per m-block, "
-                   f"timing {ours.get('timing')}{_schedule_note(ours)}"
+                   f"timing {ours.get('timing')}{_schedule_note(ours)}{_read_note(row.get('read_ceiling'))}"
                    + ("" if want is not None else "; checked on batch entry 0 (fp32 reference too large)"))
     return row
+
+
+def _read_ceiling(nbytes):
+    """What one kernel that only reads the row's bytes reaches (ceilings.read_bandwidth; on the GPU only)."""
+    if _dev() != "cuda":
+        return None
+    return ceilings.read_bandwidth(nbytes - nbytes % 2)
+
+
+def _read_bound(read, flops, compute):
+    """The read ceiling in the row's goal measure: % of copy (memory-bound rows), or for compute-bound rows the
+    TFLOP/s of an op taking only the read's time, as % of the GEMM. No op over these bytes can pass it, so a row
+    whose bound is below its goal cannot meet it (per-launch costs against too few bytes)."""
+    out = dict(read)
+    copy, gemm = _CEIL.get("copy_gbps"), _CEIL.get("gemm_bf16_tflops")
+    if compute and gemm:
+        out["pct_gemm"] = 100 * tflops(flops, read["read_ms"]) / gemm
+    elif not compute and copy:
+        out["pct_copy"] = 100 * read["read_gbps"] / copy
+    return out
+
+
+def _read_note(read):
+    if not read:
+        return ""
+    bound = (f", {read['pct_copy']:.1f}% of copy" if "pct_copy" in read
+             else f", {read['pct_gemm']:.1f}% of GEMM at its FLOPs" if "pct_gemm" in read else "")
+    return f"; one kernel only reading these bytes: {read['read_gbps']:.0f} GB/s{bound} ({read['read_by']})"
 
 
 def _ragged_inputs(lens, heads, dt, dev):
@@ -569,7 +600,11 @@ def cases(quick=False):
 
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:
     result["goal_text"] = (f"memory-bound rows (GB/s) ≥ {COPY_GOAL:.0%} of copy; compute-bound rows (heads × query "
-                           f"tokens ≥ 128, TFLOP/s) ≥ {GEMM_GOAL:.0%} of the bf16 GEMM; SDPA reads a dense copy")
+                           f"tokens ≥ 128, TFLOP/s) ≥ {GEMM_GOAL:.0%} of the bf16 GEMM; SDPA reads a dense copy; "
+                           "read-only bound: what one kernel that only reads the row's bytes reaches (the best of a "
+                           "plain Triton read at 1–8 programs an SM and torch.sum, timed as ours), in the goal's "
+                           "measure (for TFLOP/s rows the row's FLOPs in the read's time): no op over those bytes "
+                           "can pass it")
     _CEIL.clear()
     _FLEX_SPENT[0] = 0.0
     _CEIL.update(result.get("ceilings") or {})

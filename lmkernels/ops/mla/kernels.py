@@ -226,15 +226,9 @@ def _mla_tile(acc, acc_hi, l_i, m_i, qa, qa_hi, qb, bt_row, c_ptr, s_ptr, c_desc
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(kc.dtype)
-    if KEYS_MAJOR == 2:  # values-major accumulators oᵀ [W, BLOCK_M] += c_kvᵀ · pᵀ
-        pt = tl.trans(p)
-        acc = tl.dot(tl.trans(kc), pt, acc * alpha[None, :])
-        if HALVES:
-            acc_hi = tl.dot(tl.trans(kc_hi), pt, acc_hi * alpha[None, :])
-    else:
-        acc = tl.dot(p, kc, acc * alpha[:, None])
-        if HALVES:
-            acc_hi = tl.dot(p, kc_hi, acc_hi * alpha[:, None])
+    acc = tl.dot(p, kc, acc * alpha[:, None])
+    if HALVES:
+        acc_hi = tl.dot(p, kc_hi, acc_hi * alpha[:, None])
     return acc, acc_hi, l_i, m_new
 
 
@@ -343,7 +337,7 @@ def _decode_chunk(
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([W, BLOCK_M] if KEYS_MAJOR == 2 else [BLOCK_M, W], tl.float32)
+    acc = tl.zeros([BLOCK_M, W], tl.float32)
     acc_hi = acc
     if KEYS_MAJOR:
         qa, qa_hi, qb = tl.trans(q_lat), tl.trans(q_hi), tl.trans(q_pe)
@@ -394,8 +388,6 @@ def _decode_chunk(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    if KEYS_MAJOR == 2:
-        acc, acc_hi = tl.trans(acc), tl.trans(acc_hi)
     final = b64 * rows + r  # row of the final output; a partial's: slot · rows + r
     direct = n_seq == 1
     _store_rows(o_ptr, lse_ptr, final, row_ok & direct, acc, acc_hi, l_safe, lse, offs_w, HALVES)
