@@ -30,7 +30,7 @@ def copy_bandwidth(nbytes: int = COPY_BYTES) -> dict:
 
 @triton.jit
 def _read_block(x_ptr, n, block, acc, BLOCK: tl.constexpr):
-    offs = block * BLOCK + tl.arange(0, BLOCK)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: the suites' rows reach 4.8 GB
     return acc + tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
 
 

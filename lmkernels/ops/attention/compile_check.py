@@ -63,7 +63,8 @@ def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, caus
                  cap_out="fp32")
     ce = dict(VARLEN=True, PAGED=cache is not None, FP8=cache == "fp8e4nv", TMA=tma and cache is None,
               HAS_LEFT=False, HAS_RIGHT=causal, SOFTCAP=False, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv,
-              BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=False, **cfg)
+              BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=False, **cfg)
+    ce["BLOCK_DQK"], ce["DQK_HI"] = K.head_dim_blocks(dqk)
     return compile_kernel(K._prefill_kernel, types, ce, nw, ns)
 
 

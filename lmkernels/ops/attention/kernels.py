@@ -89,16 +89,19 @@ def _load_kv(ptrs, mask, HAS_MASK: tl.constexpr, FP8: tl.constexpr, dtype: tl.co
 
 @triton.jit
 def _prefill_tile(
-    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
-    page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+    acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+    stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DQK_HI: tl.constexpr,
 ):
     """One key tile [n0, n0 + BLOCK_N) of the online softmax; MASK: the tile cuts a boundary.
 
     TMA: K/V come through per-sequence tensor descriptors, which zero-fill rows past k_len and columns
-    past the head dim, so no load needs a mask."""
+    past the head dim, so no load needs a mask.
+    DQK_HI > 0 (head_dims): the q/k head dim is BLOCK_DQK + DQK_HI columns (192 = 128 + 64), scored as two dots
+    (q · kᵀ over the first BLOCK_DQK columns, q_hi · k_hiᵀ over the rest) instead of one padded to a power of 2."""
     kn = n0 + offs_n
     in_seq = kn < k_len
     if TMA:
@@ -120,13 +123,19 @@ def _prefill_tile(
         k = k_desc.load([n0, 0])
     else:
         k = _load_kv(k_base + k_rows[:, None] + offs_dqk[None, :], in_seq[:, None] & dqk_ok[None, :],
-                     MASK or HEAD_DQK != BLOCK_DQK, FP8, q.dtype)
+                     MASK or HEAD_DQK != BLOCK_DQK + DQK_HI, FP8, q.dtype)
+    s = tl.dot(q, tl.trans(k))
+    if DQK_HI > 0:
+        if TMA:
+            k_hi = k_hi_desc.load([n0, BLOCK_DQK])
+        else:
+            offs_hi = BLOCK_DQK + tl.arange(0, DQK_HI)
+            k_hi = _load_kv(k_base + k_rows[:, None] + offs_hi[None, :], in_seq[:, None], MASK, FP8, q.dtype)
+        s = tl.dot(q_hi, tl.trans(k_hi), s)
     # Without softcap the scale is applied as the FlashAttention tutorial does: the row max of the raw
     # q·k times the scale (scale > 0), then p = exp2(qk·scale − m) as one FMA per score.
     if SOFTCAP:
-        s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_in, cap_out, SOFTCAP)
-    else:
-        s = tl.dot(q, tl.trans(k))
+        s = _scores(s, qk_scale, cap_in, cap_out, SOFTCAP)
     if MASK:
         ok = in_seq[None, :]
         if HAS_RIGHT:
@@ -160,12 +169,12 @@ def _prefill_tile(
 
 @triton.jit
 def _prefill_span(
-    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
-    page_size, start, stop, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
+    acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+    stride_vp, page_size, start, stop, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    DQK_HI: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Key tiles start, start + BLOCK_N, … < stop. On the GPU a `for` loop (software-pipelined); under the
     interpreter the same tiles in a `while` loop, because with numpy ≥ 2.4 the interpreter cannot turn its
@@ -174,16 +183,18 @@ def _prefill_span(
         n0 = start
         while n0 < stop:
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
-                stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
-                offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV)
+                acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt,
+                stride_kp, stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n,
+                offs_dqk, offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK,
+                BLOCK_DV, DQK_HI)
             n0 += BLOCK_N
     else:
         for n0 in range(start, stop, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
-                stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
-                offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV)
+                acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt,
+                stride_kp, stride_vp, page_size, n0, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n,
+                offs_dqk, offs_dv, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK,
+                BLOCK_DV, DQK_HI)
     return acc, l_i, m_i
 
 
@@ -199,10 +210,11 @@ def _prefill_kernel(
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr,
     HEAD_DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, DQK_HI: tl.constexpr = 0,
 ):
     """Keys: packed (VARLEN, cu_k_ptr = offsets), dense, or paged (PAGED: cu_k_ptr = seq_lens, k/v = caches
-    [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride)."""
+    [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride).
+    DQK_HI > 0: the q/k head dim is BLOCK_DQK + DQK_HI, scored as two dots (_prefill_tile)."""
     # The block scheduler launches programs x-fastest: the heaviest causal blocks (the last queries) of every
     # head first, the short ones last so they fill the tail of the grid; the q heads of one kv head run side
     # by side (their keys are read once from DRAM, then from L2).
@@ -247,10 +259,20 @@ def _prefill_kernel(
         rows = tl.maximum(k_len, 1)  # no zero-sized descriptor; with no keys no tile is loaded anyway
         k_desc = tl.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, BLOCK_DQK])
         v_desc = tl.make_tensor_descriptor(v_base, [rows, HEAD_DV], [stride_vt, 1], [BLOCK_N, BLOCK_DV])
+        q_hi, k_hi_desc = q, k_desc
+        if DQK_HI > 0:
+            q_hi = tl.make_tensor_descriptor(q_base, [q_len, HEAD_DQK], [stride_qt, 1],
+                                             [BLOCK_M, DQK_HI]).load([m0, BLOCK_DQK])
+            k_hi_desc = tl.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, DQK_HI])
     else:
         q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dqk[None, :],
                     mask=row_ok[:, None] & (offs_dqk < HEAD_DQK)[None, :], other=0.0)
+        q_hi = q
+        if DQK_HI > 0:
+            q_hi = tl.load(q_base + offs_m[:, None] * stride_qt + (BLOCK_DQK + tl.arange(0, DQK_HI))[None, :],
+                           mask=row_ok[:, None], other=0.0)
         k_desc = k_base
+        k_hi_desc = k_base
         v_desc = v_base
 
     # Query i sits at key position i + (k_len − q_len). Key range of the block and its mask-free middle.
@@ -276,20 +298,20 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # left window edge (masked) | mask-free middle | diagonal, right edge and sequence end (masked)
     acc, l_i, m_i = _prefill_span(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
-        page_size, lo, tl.minimum(full_lo, hi), pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
-        offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-        INTERPRET)
+        acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+        stride_vp, page_size, lo, tl.minimum(full_lo, hi), pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n,
+        offs_dqk, offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV,
+        DQK_HI, BLOCK_N, INTERPRET)
     acc, l_i, m_i = _prefill_span(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
-        page_size, full_lo, full_hi, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk, offs_dv,
-        False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-        INTERPRET)
+        acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+        stride_vp, page_size, full_lo, full_hi, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n, offs_dqk,
+        offs_dv, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK, BLOCK_DV, DQK_HI,
+        BLOCK_N, INTERPRET)
     acc, l_i, m_i = _prefill_span(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp, stride_vp,
-        page_size, tl.maximum(full_lo, full_hi), hi, pos, k_len, right, left, qk_scale, cap_in, cap_out, offs_n,
-        offs_dqk, offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_N, INTERPRET)
+        acc, l_i, m_i, q, q_hi, k_base, v_base, k_desc, k_hi_desc, v_desc, bt_row, stride_kt, stride_vt, stride_kp,
+        stride_vp, page_size, tl.maximum(full_lo, full_hi), hi, pos, k_len, right, left, qk_scale, cap_in, cap_out,
+        offs_n, offs_dqk, offs_dv, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PAGED, FP8, TMA, HEAD_DQK, HEAD_DV, BLOCK_DQK,
+        BLOCK_DV, DQK_HI, BLOCK_N, INTERPRET)
 
     empty = l_i == 0.0  # no key allowed: o = 0, lse = −inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -380,6 +402,7 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         lse.fill_(float("-inf"))
         return o.zero_(), lse
     cfg = dict(config or prefill_config(dqk, dv, max_seqlen_q))
+    block_dqk, dqk_hi = head_dim_blocks(dqk)
     tma = cfg.pop("TMA", None)
     if PREFILL_TMA is not None:
         tma = PREFILL_TMA
@@ -402,10 +425,21 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         hq // hk, qk_scale, cap_in, cap_out, max(left, 0), max(right, 0),
         VARLEN=cu_q is not None, PAGED=block_tables is not None, FP8=fp8, TMA=tma, HAS_LEFT=left >= 0,
         HAS_RIGHT=right >= 0,
-        SOFTCAP=softcap > 0, STORE_LSE=return_lse, HEAD_DQK=dqk, HEAD_DV=dv,
-        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=interpreting(), **cfg,
+        SOFTCAP=softcap > 0, STORE_LSE=return_lse, HEAD_DQK=dqk, HEAD_DV=dv, BLOCK_DQK=block_dqk, DQK_HI=dqk_hi,
+        BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=interpreting(), **cfg,
     )
     return o, lse
+
+
+def head_dim_blocks(dqk: int):
+    """(BLOCK_DQK, DQK_HI) of the prefill kernel: a power-of-2 q/k head dim is one block (DQK_HI = 0); one that is
+    the sum of two (96 = 64 + 32, 192 = 128 + 64) is two, scored as two dots, where padding it to the next power
+    of 2 did a third more score work at 192 (MLA's q/k dim); any other dim is padded."""
+    block = triton.next_power_of_2(dqk)
+    hi = dqk - block // 2
+    if block != dqk and hi >= 16 and hi & (hi - 1) == 0:
+        return block // 2, hi
+    return block, 0
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, window, softcap, return_lse,
