@@ -210,25 +210,25 @@ def _prefill_kernel(
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr,
     HEAD_DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, DQK_HI: tl.constexpr = 0, KV_HEAD_ORDER: tl.constexpr = True,
+    INTERPRET: tl.constexpr, DQK_HI: tl.constexpr = 0, M_BAND: tl.constexpr = 8,
 ):
     """Keys: packed (VARLEN, cu_k_ptr = offsets), dense, or paged (PAGED: cu_k_ptr = seq_lens, k/v = caches
     [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride).
     DQK_HI > 0: the q/k head dim is BLOCK_DQK + DQK_HI, scored as two dots (_prefill_tile)."""
-    # The block scheduler starts programs x-fastest. Their launch index is regrouped so that one kv head's
-    # programs start together, its q heads side by side, heaviest causal blocks (the last queries) first, then
-    # the next kv head's: the programs running at once share few heads' keys, which come from DRAM once and then
-    # from L2. With the heaviest blocks of every head first instead, 128 heads at 8k kept ~1 block of each head
-    # running at a time and read every block's keys from DRAM (H100, q/k dim 192: DRAM-bound; NOTES, session s).
-    if KV_HEAD_ORDER:
-        n_m = tl.num_programs(1)
-        launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        kv_programs = group * n_m
-        head = launch // kv_programs * group + launch % kv_programs % group
-        m_block = n_m - 1 - launch % kv_programs // group
-    else:
-        head = tl.program_id(0)
-        m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    # The block scheduler starts programs x-fastest, in launch order. That order is regrouped: bands of M_BAND
+    # query blocks, heaviest causal blocks (the last queries) first, so the short ones fill the tail of the grid;
+    # within a band one kv head after another, each with its q heads and the band's blocks side by side, so the
+    # programs running at once share their keys (DRAM once, then L2). With one block a band (every head's
+    # heaviest block first), 128 heads at 8k kept ~1 block of each head running at a time, each reading its keys
+    # from DRAM (H100, q/k dim 192: DRAM-bound, 355 against 472 TFLOP/s; NOTES, session s).
+    n_m = tl.num_programs(1)
+    launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    band = launch // (tl.num_programs(0) * M_BAND)
+    in_band = launch - band * tl.num_programs(0) * M_BAND
+    band_blocks = tl.minimum(M_BAND, n_m - band * M_BAND)
+    kv_programs = group * band_blocks
+    head = in_band // kv_programs * group + in_band % group
+    m_block = n_m - 1 - band * M_BAND - in_band % kv_programs // group
     batch = tl.program_id(2)
     k_start = tl.full([], 0, tl.int32)
     if VARLEN:
