@@ -92,6 +92,7 @@ def pdl_enabled(device) -> bool:
 
 
 _SM_COUNT = {}
+_L2_BYTES = {}
 
 
 def sm_count(device) -> int:
@@ -102,6 +103,16 @@ def sm_count(device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def l2_bytes(device) -> int:
+    """L2 cache bytes of a CUDA device (cached); the interpreter pretends to have an H100's 50 MB."""
+    if device.type != "cuda":
+        return 50 << 20
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _L2_BYTES:
+        _L2_BYTES[index] = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 50 << 20)
+    return _L2_BYTES[index]
 
 
 def check_block_tables(block_tables, seq_lens, page_size, num_pages):

@@ -102,12 +102,42 @@ def test_dense(small_tiles, tma, poison, sq, sk, causal):
 
 @pytest.mark.parametrize("dqk,dv", [(96, 96), (128, 128), (256, 256), (192, 128)])
 def test_head_dims(tma, poison, dqk, dv):
-    """The larger head dims (96 and 192 padded to powers of two) with the production tile heuristic."""
+    """The larger head dims with the production tile heuristic (q/k 96 and 192 scored as 64 + 32 and 128 + 64)."""
     q, k, v, cu_q, cu_k = packed([19, 1], [30, 6], 2, 1, dqk, dv)
     o, lse = attention_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
     ro, rl = reference.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True)
     assert o.shape == (q.shape[0], 2, dv)
     check(o, lse, ro, rl)
+
+
+def test_head_dim_blocks():
+    """A q/k head dim that is the sum of two powers of 2 is two blocks (scored as two dots), any other is padded."""
+    dims = (64, 96, 128, 192, 256, 80, 72)
+    assert [kernels.head_dim_blocks(d) for d in dims] == [(64, 0), (64, 32), (128, 0), (128, 64), (256, 0), (64, 16),
+                                                         (128, 0)]
+
+
+@pytest.mark.parametrize("m_band", [2, 3, 100])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 3)])
+def test_launch_bands(monkeypatch, tma, poison, m_band, hq, hk):
+    """The launch order in bands of M_BAND query blocks, kv heads grouped within a band (where keys and values
+    outgrow L2): every (head, block) program runs once, with bands that do not divide the 5 query blocks and a
+    band longer than all of them; a GQA group of 2."""
+    monkeypatch.setattr(kernels, "prefill_config", lambda dqk, dv, max_seqlen_q: dict(
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, M_BAND=m_band))
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K, hq, hk)
+    o, lse = attention_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(LENS_Q),
+                               return_lse=True)
+    ro, rl = reference.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True)
+    check(o, lse, ro, rl)
+
+
+def test_band_rule():
+    """Bands where the kv heads' keys and values outgrow half of L2 (the interpreter's: 50 MB), else one block."""
+    cpu = torch.device("cpu")
+    assert kernels.prefill_m_band(128, 8192, 192 + 128, 2, cpu) == kernels.PREFILL_M_BAND > 1  # 671 MB
+    assert kernels.prefill_m_band(8, 8192, 256, 2, cpu) == kernels.PREFILL_M_BAND  # 34 MB
+    assert kernels.prefill_m_band(8, 2048, 256, 2, cpu) == 1  # 8 MB
 
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (24, 24))])

@@ -6,8 +6,9 @@ FLOP rates and per-row goals, so this suite has its own small loop. Its rows car
 reads (op, label, shape, dtype, bytes, status, ours/peers with ms and gbps, pct_copy, best_peer, ratio,
 goal) plus `unit`, `flops` and `tflops`:
 - prefill rows: `gbps` counts q, k, v read and o written once (so ratios between implementations are time
-  ratios); the TFLOP/s figures (4·S²·H·D, halved when causal) are in the row's `tflops` keys and note,
-  and pct_copy is empty (compute-bound).
+  ratios); the TFLOP/s figures (2·S²·H·(Dqk + Dv), halved when causal) are in the row's `tflops` keys and
+  note, and pct_copy is empty (compute-bound). Two rows are MLA prefill's attention (q/k dim 192, v dim 128;
+  issue 6), checked against SDPA mem-efficient (flash takes one head dim).
 - decode rows: `gbps` counts the K and V cache bytes read (the issue's "KV bytes read per second"),
   pct_copy is against the device-to-device copy measured in the same run.
 Goals (issue 3): prefill ≥ 1.0x SDPA cuDNN; decode B=1 ≥ 2x the best SDPA backend, B=32/B=64 ≥ 1.0x SDPA and
@@ -25,9 +26,11 @@ from ..harness import check_then_time, rel_err, short_error
 
 DTYPE = torch.bfloat16
 HQ, HK = 32, 8
-# (tokens, head dim, causal, q heads, kv heads)
+# (sequence, q/k head dim, causal, q heads, kv heads[, v head dim]); the 192/128 rows are MLA prefill's attention
+# (DeepSeek-V3: 128 heads, or 16 a GPU at tensor parallel 8; the keys and values up-projected per head)
 PREFILL = ((2048, 128, True, 32, 8), (8192, 128, True, 32, 8), (32768, 128, True, 32, 8), (8192, 128, False, 32, 8),
-           (8192, 64, True, 32, 8), (8192, 256, True, 16, 4))
+           (8192, 64, True, 32, 8), (8192, 256, True, 16, 4), (8192, 192, True, 128, 128, 128),
+           (8192, 192, True, 16, 16, 128))
 QUICK_PREFILL = ((2048, 128, True, 32, 8), (8192, 128, True, 32, 8))
 FLEX_SHAPES = ((8192, 128, True),)  # FlexAttention compiles per shape (tens of seconds): one representative
 VARLEN = (8192, 4096, 2048, 1024, 512, 300, 100, 7000)
@@ -99,26 +102,29 @@ def _rate_note(ours, peers, unit, goal_text):
     return f"{unit}: " + ", ".join(parts) + f"; goal {goal_text}"
 
 
-def prefill_case(s, d, causal, hq, hk, flex=False):
+def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
     from ...ops.attention import attention_prefill, kernels
 
     dt, dev = _dtype(), _dev()
+    dv = dv or d
     q = torch.randn(s, hq, d, device=dev, dtype=dt)
     k = torch.randn(s, hk, d, device=dev, dtype=dt)
-    v = torch.randn(s, hk, d, device=dev, dtype=dt)
+    v = torch.randn(s, hk, dv, device=dev, dtype=dt)
     cu = torch.tensor([0, s], device=dev, dtype=torch.int32)
-    flops = 4 * s * s * hq * d // (2 if causal else 1)
-    nbytes = (2 * s * hq * d + 2 * s * hk * d) * q.element_size()
+    flops = 2 * s * s * hq * (d + dv) // (2 if causal else 1)
+    nbytes = (s * hq * (d + dv) + s * hk * (d + dv)) * q.element_size()
     qt = q[None].transpose(1, 2)
     kt, vt = (x[None].transpose(1, 2).repeat_interleave(hq // hk, 1) for x in (k, v))  # SDPA: heads repeated
-    want = sdpa_fn("flash" if dev == "cuda" else "math", causal)(qt, kt, vt).transpose(1, 2)[0]
+    # the reference: SDPA flash (mem-efficient where v's head dim differs: flash takes one head dim)
+    ref = ("flash" if dv == d else "efficient") if dev == "cuda" else "math"
+    want = sdpa_fn(ref, causal)(qt, kt, vt).transpose(1, 2)[0]
     check = lambda o: rel_err(o.float() if o.dim() == 3 else o.transpose(1, 2)[0].float(), want.float())  # noqa: E731
 
     def ours_fn(q, k, v):
         return attention_prefill(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s)
 
     ours = check_then_time("ours", "ours", ours_fn, [(q, k, v)], check, nbytes, flops)
-    cfg = kernels.prefill_config(d, d, s)
+    cfg = kernels.prefill_config(d, dv, s)
     peers = []
     for b in (SDPA_BACKENDS if dev == "cuda" else ("math",)):
         peers.append(check_then_time(f"sdpa-{b}", "sdpa", sdpa_fn(b, causal), [(qt, kt, vt)], check, nbytes, flops))
@@ -131,11 +137,12 @@ def prefill_case(s, d, causal, hq, hk, flex=False):
             peers.append({"name": "flex(compiled)", "kind": "flex", "missing": short_error(e)})
     cudnn = [p for p in peers if p["name"] == "sdpa-cudnn" and "gbps" in p]
     ratio_goal = {"peer": PREFILL_PEER_GOAL}
-    label = f"B=1 S={s} {hq}/{hk} heads d{d} {'causal' if causal else 'full'}"
+    label = f"B=1 S={s} {hq}/{hk} heads d{d}{f'/{dv}' if dv != d else ''} {'causal' if causal else 'full'}"
     note = (f"{label}: " + _rate_note(ours, peers, "TFLOP/s", "≥ 1.0x SDPA cuDNN")
             + f" (config {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
             + f" {'tma' if cfg.get('TMA') else 'ptr'})")
-    row = _row("attention_prefill", label, [1, s, hq, hk, d], nbytes, flops, "TFLOP/s", ours, peers, None,
+    row = _row("attention_prefill", label, [1, s, hq, hk, d] + ([dv] if dv != d else []), nbytes, flops, "TFLOP/s",
+               ours, peers, None,
                ratio_goal, note)
     if cudnn and row["status"] == "ok":  # the goal is against cuDNN, whichever peer is fastest
         row["goal"]["peer"] = bool(ours["gbps"] / cudnn[0]["gbps"] >= PREFILL_PEER_GOAL)
@@ -284,9 +291,9 @@ _COPY = {}
 
 def cases(quick: bool = False):
     """Row builders, run lazily one at a time (each frees its inputs)."""
-    for s, d, causal, hq, hk in (QUICK_PREFILL if quick else PREFILL):
-        yield lambda s=s, d=d, causal=causal, hq=hq, hk=hk: prefill_case(
-            s, d, causal, hq, hk, flex=not quick and (s, d, causal) in FLEX_SHAPES)
+    for s, d, causal, hq, hk, *dv in (QUICK_PREFILL if quick else PREFILL):
+        yield lambda s=s, d=d, causal=causal, hq=hq, hk=hk, dv=dv: prefill_case(
+            s, d, causal, hq, hk, *dv, flex=not quick and (s, d, causal) in FLEX_SHAPES)
     if not quick:
         yield lambda: varlen_case(VARLEN)
     for label, lens, page, fp8 in (QUICK_DECODE if quick else DECODE):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
+from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, l2_bytes, pdl_enabled, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -210,25 +210,28 @@ def _prefill_kernel(
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DQK: tl.constexpr,
     HEAD_DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, DQK_HI: tl.constexpr = 0, M_BAND: tl.constexpr = 8,
+    INTERPRET: tl.constexpr, DQK_HI: tl.constexpr = 0, M_BAND: tl.constexpr = 1,
 ):
     """Keys: packed (VARLEN, cu_k_ptr = offsets), dense, or paged (PAGED: cu_k_ptr = seq_lens, k/v = caches
     [pages, page_size, Hk, D] addressed through the block tables; stride_kt = a page's row stride).
     DQK_HI > 0: the q/k head dim is BLOCK_DQK + DQK_HI, scored as two dots (_prefill_tile)."""
-    # The block scheduler starts programs x-fastest, in launch order. That order is regrouped: bands of M_BAND
-    # query blocks, heaviest causal blocks (the last queries) first, so the short ones fill the tail of the grid;
-    # within a band one kv head after another, each with its q heads and the band's blocks side by side, so the
-    # programs running at once share their keys (DRAM once, then L2). With one block a band (every head's
-    # heaviest block first), 128 heads at 8k kept ~1 block of each head running at a time, each reading its keys
-    # from DRAM (H100, q/k dim 192: DRAM-bound, 355 against 472 TFLOP/s; NOTES, session s).
+    # The block scheduler starts programs x-fastest, in launch order, regrouped here into bands of M_BAND query
+    # blocks (prefill_m_band), heaviest causal blocks (the last queries) first, so the short ones fill the tail
+    # of the grid; within a band one kv head after another, each with its q heads and the band's blocks side by
+    # side, so the programs running at once share their keys (DRAM once, then L2). With one block a band (every
+    # head's heaviest block first), 128 heads at 8k kept ~1 block of each head running at a time, each reading
+    # its keys from DRAM (H100, q/k dim 192: 363 against 496 TFLOP/s with bands of 16; NOTES, session s).
     n_m = tl.num_programs(1)
-    launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    band = launch // (tl.num_programs(0) * M_BAND)
-    in_band = launch - band * tl.num_programs(0) * M_BAND
-    band_blocks = tl.minimum(M_BAND, n_m - band * M_BAND)
-    kv_programs = group * band_blocks
-    head = in_band // kv_programs * group + in_band % group
-    m_block = n_m - 1 - band * M_BAND - in_band % kv_programs // group
+    if M_BAND == 1:
+        head = tl.program_id(0)
+        m_block = n_m - 1 - tl.program_id(1)
+    else:
+        launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        band = launch // (tl.num_programs(0) * M_BAND)
+        in_band = launch - band * tl.num_programs(0) * M_BAND
+        kv_programs = group * tl.minimum(M_BAND, n_m - band * M_BAND)  # (the last band may be short)
+        head = in_band // kv_programs * group + in_band % group
+        m_block = n_m - 1 - band * M_BAND - in_band % kv_programs // group
     batch = tl.program_id(2)
     k_start = tl.full([], 0, tl.int32)
     if VARLEN:
@@ -345,18 +348,22 @@ def prefill_config(head_dqk: int, head_dv: int, max_seqlen_q: int):
     """Launch parameters of the prefill kernel (the single place they are chosen), from the H100 sweep
     (triton 3.6; benchmarks/NOTES.md, "Issue 3"), at 8k causal unless said otherwise:
 
-    - dims ≤ 128 (d96 pads to 128): 128 queries × 128 keys, 8 warps (two warpgroups of 64 rows for wgmma),
+    - dims ≤ 128 (d96 as 64 + 32, v 96 padded to 128): 128 queries × 128 keys, 8 warps (two warpgroups of 64 rows for wgmma),
       3 stages, pointer loads (224 KB shared memory, 255 registers, no spills). 480 TFLOP/s at 8k (128×64
       with 4 stages: 486, within noise), 535 at 32k (128×64: 498–512), 529 non-causal. TMA descriptors
       were 5–8% slower at every tile shape.
     - dim 64: 128 × 64, 8 warps, 4 stages, pointers: 414 TFLOP/s; the old 128 × 128 / 3 stages gave 338.
-    - dims 256 (and 192/128): 128 × 64, 8 warps, 2 stages, TMA (522; pointers 508); 3 stages do not fit.
+    - dim 256: 128 × 64, 8 warps, 2 stages, TMA (522; pointers 508); 3 stages do not fit.
+    - q/k 192 (scored as 128 + 64, head_dim_blocks) with v ≤ 128 (MLA prefill): 128 × 64, 8 warps, 3 stages,
+      pointers (session s, 192/128, 128 heads 8k: 472; 3 stages TMA 439, 2 stages TMA 380).
     Short query runs (chunked-prefill tails, ≤ 64 tokens) take 64-row blocks and 4 warps so fewer rows idle.
     `tl.range(..., warp_specialize=True)` does not compile for this loop on sm_90 with triton 3.6 (the
     Hopper warp-specialisation pass asserts), so there is no warp-specialised variant.
     """
     width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
-    if width >= 256:
+    if head_dim_blocks(head_dqk)[1] and width == 256 and head_dv <= 128:  # 192 (= 128 + 64) / ≤ 128
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=False)
+    elif width >= 256:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True)
     elif width == 128:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=False)
@@ -411,6 +418,7 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         lse.fill_(float("-inf"))
         return o.zero_(), lse
     cfg = dict(config or prefill_config(dqk, dv, max_seqlen_q))
+    cfg.setdefault("M_BAND", prefill_m_band(hk, max(max_seqlen_q, seqlen_k), dqk + dv, q.element_size(), q.device))
     block_dqk, dqk_hi = head_dim_blocks(dqk)
     tma = cfg.pop("TMA", None)
     if PREFILL_TMA is not None:
@@ -438,6 +446,19 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=interpreting(), **cfg,
     )
     return o, lse
+
+
+# query blocks a band of the prefill kernel's launch order where the keys and values outgrow L2 (_prefill_kernel)
+PREFILL_M_BAND = 16
+
+
+def prefill_m_band(kv_heads: int, keys: int, dqk_dv: int, elem: int, device) -> int:
+    """M_BAND of the prefill kernel: PREFILL_M_BAND where the kv heads' keys and values (the longest sequence's,
+    `keys` at least the longest query run) outgrow half of L2, so that the programs running at once share a few
+    heads' keys; else 1, every head's heaviest block first (the order that keeps the tail short). H100, session s
+    (TFLOP/s, bands of 1 / 16): 192/128 with 128 heads 8k 363 / 496, 16 heads 8k 450 / 471; 32/8 heads d128 2k (8
+    MB of keys and values) 351 / 317."""
+    return PREFILL_M_BAND if kv_heads * keys * dqk_dv * elem > l2_bytes(device) // 2 else 1
 
 
 def head_dim_blocks(dqk: int):
