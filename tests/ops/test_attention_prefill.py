@@ -132,12 +132,16 @@ def test_launch_bands(monkeypatch, tma, poison, m_band, hq, hk):
     check(o, lse, ro, rl)
 
 
-def test_band_rule():
-    """Bands where the kv heads' keys and values outgrow half of L2 (the interpreter's: 50 MB), else one block."""
+def test_band_rule(monkeypatch):
+    """Bands where fewer than PREFILL_KV_SHARE programs of a kv head run at once (SMs / kv heads) and the keys and
+    values outgrow half of L2 (the interpreter's: 50 MB), else one block."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert kernels.prefill_m_band(128, 8192, 192 + 128, 2, cpu) == kernels.PREFILL_M_BAND > 1  # 671 MB
-    assert kernels.prefill_m_band(8, 8192, 256, 2, cpu) == kernels.PREFILL_M_BAND  # 34 MB
-    assert kernels.prefill_m_band(8, 2048, 256, 2, cpu) == 1  # 8 MB
+    assert kernels.prefill_m_band(128, 8192, 192 + 128, 2, cpu) == kernels.PREFILL_M_BAND > 1  # 671 MB, MHA
+    assert kernels.prefill_m_band(16, 8192, 192 + 128, 2, cpu) == kernels.PREFILL_M_BAND  # 84 MB
+    assert kernels.prefill_m_band(32, 2048, 256, 2, cpu) == kernels.PREFILL_M_BAND  # 34 MB
+    assert kernels.prefill_m_band(32, 1024, 256, 2, cpu) == 1  # 17 MB: in L2
+    assert kernels.prefill_m_band(8, 32768, 256, 2, cpu) == 1  # GQA 32/8: 16 programs share a kv head
 
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (24, 24))])

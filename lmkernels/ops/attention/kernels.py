@@ -448,17 +448,21 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
     return o, lse
 
 
-# query blocks a band of the prefill kernel's launch order where the keys and values outgrow L2 (_prefill_kernel)
+# query blocks a band of the prefill kernel's launch order where its keys come from DRAM too often (_prefill_kernel)
 PREFILL_M_BAND = 16
+# programs of one kv head that the old order (every head's heaviest block first) runs at once, SMs / kv heads,
+# below which its keys are read from DRAM again for most blocks
+PREFILL_KV_SHARE = 16
 
 
 def prefill_m_band(kv_heads: int, keys: int, dqk_dv: int, elem: int, device) -> int:
-    """M_BAND of the prefill kernel: PREFILL_M_BAND where the kv heads' keys and values (the longest sequence's,
-    `keys` at least the longest query run) outgrow half of L2, so that the programs running at once share a few
-    heads' keys; else 1, every head's heaviest block first (the order that keeps the tail short). H100, session s
-    (TFLOP/s, bands of 1 / 16): 192/128 with 128 heads 8k 363 / 496, 16 heads 8k 450 / 471; 32/8 heads d128 2k (8
-    MB of keys and values) 351 / 317."""
-    return PREFILL_M_BAND if kv_heads * keys * dqk_dv * elem > l2_bytes(device) // 2 else 1
+    """M_BAND of the prefill kernel: PREFILL_M_BAND where fewer than PREFILL_KV_SHARE programs of a kv head would
+    run at once (many kv heads: MHA) and the kv heads' keys and values (the longest sequence's; `keys` at least
+    the longest query run) outgrow half of L2; else 1, every head's heaviest block first (the shortest tail).
+    H100, session s (TFLOP/s, bands of 1 / 16): 192/128 with 128 heads 8k 363 / 496, 16 heads 8k 450 / 471;
+    d128 32/8 heads 2k (8 MB of keys and values) 351 / 317, 32k 522 (suite r) / 469."""
+    few = kv_heads * PREFILL_KV_SHARE > sm_count(device)
+    return PREFILL_M_BAND if few and kv_heads * keys * dqk_dv * elem > l2_bytes(device) // 2 else 1
 
 
 def head_dim_blocks(dqk: int):
