@@ -221,11 +221,11 @@ def _prefill_kernel(
     # side, so the programs running at once share their keys (DRAM once, then L2). With one block a band (every
     # head's heaviest block first), 128 heads at 8k kept ~1 block of each head running at a time, each reading
     # its keys from DRAM (H100, q/k dim 192: 363 against 496 TFLOP/s with bands of 16; NOTES, session s).
-    n_m = tl.num_programs(1)
     if M_BAND == 1:
         head = tl.program_id(0)
-        m_block = n_m - 1 - tl.program_id(1)
+        m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     else:
+        n_m = tl.num_programs(1)
         launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         band = launch // (tl.num_programs(0) * M_BAND)
         in_band = launch - band * tl.num_programs(0) * M_BAND
