@@ -105,13 +105,18 @@ def sm_count(device) -> int:
     return _SM_COUNT[index]
 
 
+H100_L2_BYTES = 50 << 20
+
+
 def l2_bytes(device) -> int:
-    """L2 cache bytes of a CUDA device (cached); the interpreter pretends to have an H100's 50 MB."""
+    """L2 cache bytes of a CUDA device (cached; an H100's where torch does not report it); the interpreter
+    pretends to have an H100's."""
     if device.type != "cuda":
-        return 50 << 20
+        return H100_L2_BYTES
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _L2_BYTES:
-        _L2_BYTES[index] = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 50 << 20)
+        props = torch.cuda.get_device_properties(index)
+        _L2_BYTES[index] = int(getattr(props, "L2_cache_size", 0) or H100_L2_BYTES)
     return _L2_BYTES[index]
 
 

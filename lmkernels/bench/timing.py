@@ -15,13 +15,12 @@ DEFAULT_L2 = 50 << 20  # H100; H200 has 60 MB
 
 
 def l2_bytes() -> int:
-    """L2 size of the current CUDA device (DEFAULT_L2 when torch does not report it)."""
+    """L2 size of the current CUDA device (DEFAULT_L2 without one, or when torch does not report it)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return DEFAULT_L2
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2)
+    from .._utils import l2_bytes as device_l2
+
+    return device_l2(torch.device("cuda")) if torch.cuda.is_available() else DEFAULT_L2
 
 
 def rotation_count(bytes_per_call: int, l2: int = DEFAULT_L2, *, min_total: int = MIN_ROTATION_BYTES,

@@ -141,9 +141,8 @@ def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
     note = (f"{label}: " + _rate_note(ours, peers, "TFLOP/s", "≥ 1.0x SDPA cuDNN")
             + f" (config {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
             + f" {'tma' if cfg.get('TMA') else 'ptr'})")
-    row = _row("attention_prefill", label, [1, s, hq, hk, d] + ([dv] if dv != d else []), nbytes, flops, "TFLOP/s",
-               ours, peers, None,
-               ratio_goal, note)
+    shape = [1, s, hq, hk, d] + ([dv] if dv != d else [])
+    row = _row("attention_prefill", label, shape, nbytes, flops, "TFLOP/s", ours, peers, None, ratio_goal, note)
     if cudnn and row["status"] == "ok":  # the goal is against cuDNN, whichever peer is fastest
         row["goal"]["peer"] = bool(ours["gbps"] / cudnn[0]["gbps"] >= PREFILL_PEER_GOAL)
         row["ratio_cudnn"] = ours["gbps"] / cudnn[0]["gbps"]

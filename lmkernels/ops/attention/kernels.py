@@ -348,10 +348,10 @@ def prefill_config(head_dqk: int, head_dv: int, max_seqlen_q: int):
     """Launch parameters of the prefill kernel (the single place they are chosen), from the H100 sweep
     (triton 3.6; benchmarks/NOTES.md, "Issue 3"), at 8k causal unless said otherwise:
 
-    - dims ≤ 128 (d96 as 64 + 32, v 96 padded to 128): 128 queries × 128 keys, 8 warps (two warpgroups of 64 rows for wgmma),
-      3 stages, pointer loads (224 KB shared memory, 255 registers, no spills). 480 TFLOP/s at 8k (128×64
-      with 4 stages: 486, within noise), 535 at 32k (128×64: 498–512), 529 non-causal. TMA descriptors
-      were 5–8% slower at every tile shape.
+    - dims ≤ 128 (q/k 96 as 64 + 32, v 96 padded to 128): 128 queries × 128 keys, 8 warps (two warpgroups of
+      64 rows for wgmma), 3 stages, pointer loads (224 KB shared memory, 255 registers, no spills). 480 TFLOP/s
+      at 8k (128×64 with 4 stages: 486, within noise), 535 at 32k (128×64: 498–512), 529 non-causal. TMA
+      descriptors were 5–8% slower at every tile shape.
     - dim 64: 128 × 64, 8 warps, 4 stages, pointers: 414 TFLOP/s; the old 128 × 128 / 3 stages gave 338.
     - dim 256: 128 × 64, 8 warps, 2 stages, TMA (522; pointers 508); 3 stages do not fit.
     - q/k 192 (scored as 128 + 64, head_dim_blocks) with v ≤ 128 (MLA prefill): 128 × 64, 8 warps, 3 stages,
@@ -460,7 +460,8 @@ def prefill_m_band(kv_heads: int, keys: int, dqk_dv: int, elem: int, device) -> 
     run at once (many kv heads: MHA) and the kv heads' keys and values (the longest sequence's; `keys` at least
     the longest query run) outgrow half of L2; else 1, every head's heaviest block first (the shortest tail).
     H100, session s (TFLOP/s, bands of 1 / 16): 192/128 with 128 heads 8k 363 / 496, 16 heads 8k 450 / 471;
-    d128 32/8 heads 2k (8 MB of keys and values) 351 / 317, 32k 522 (suite r) / 469."""
+    d128 32/8 heads 2k 351 / 317, and no gain on the other GQA rows (16 programs of each of their 8 kv heads
+    already run at once)."""
     few = kv_heads * PREFILL_KV_SHARE > sm_count(device)
     return PREFILL_M_BAND if few and kv_heads * keys * dqk_dv * elem > l2_bytes(device) // 2 else 1
 
