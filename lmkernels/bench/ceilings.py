@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import interpreting
+from .._utils import interpreting, sm_count
 from .counts import copy_bytes, gbps, gemm_flops, tflops
 from .timing import l2_bytes, rotation_count, time_ms
 
@@ -70,7 +70,7 @@ def read_bandwidth(nbytes: int) -> dict:
     rotated past L2, timing.rotation_count): the best of _read_kernel at READ_PROGRAMS_PER_SM and torch.sum."""
     sets = [(torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda"),)
             for _ in range(rotation_count(nbytes, l2_bytes()))]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(sets[0][0].device)
     tries = {f"triton x{k}/SM": (lambda x, k=k: read_partials(x, k * sms)) for k in READ_PROGRAMS_PER_SM}
     tries["torch.sum"] = lambda x: x.sum(dtype=torch.float32)
     times = {name: time_ms(fn, sets) for name, fn in tries.items()}
