@@ -72,6 +72,13 @@ def test_prefill_bad_inputs():
         mla_prefill(q_nope, q_pe, cache, tables, cu, torch.tensor([5], dtype=torch.int32), w, scale=SCALE)
     with pytest.raises(ValueError, match="page table is too short"):
         mla_prefill(q_nope, q_pe, cache, tables, cu, torch.tensor([40], dtype=torch.int32), w, scale=SCALE)
+    bad = tables.clone()
+    bad[0, 0] = cache.shape[0]  # one page past the cache: caught, though every other entry is fine
+    with pytest.raises(ValueError, match=r"block_tables\[0\] refers to pages outside"):
+        mla_prefill(q_nope, q_pe, cache, bad, cu, lens, w, scale=SCALE)
+    bad[0, 0] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[0\] refers to pages outside"):
+        mla_prefill(q_nope, q_pe, cache, bad, cu, lens, w, scale=SCALE)
     with pytest.raises(ValueError, match="latent_cache"):
         mla_prefill(q_nope, q_pe, cache[..., :100].contiguous(), tables, cu, lens, w, scale=SCALE)
     with pytest.raises(TypeError, match="q_nope"):

@@ -3,14 +3,15 @@ family's prefill kernel (q/k dim nope + 64, v dim v_head_dim), after up-projecti
     k_nope = c_kv · W_UKᵀ,  v = c_kv · W_UVᵀ,  k = [k_nope | k_pe] (k_pe shared by all heads).
 The new tokens (causal among themselves) and the cached prefix (all visible, in chunks of chunk_size
 tokens to bound the up-projected workspace) give partial (o, lse) that merge_attention_states combines.
-Prefill may synchronise with the host (the lengths size the gathers); decode never does.
+Prefill synchronises with the host (the lengths size the gathers and the grids): it reads the lengths and the page
+table (for its check) once and sends each chunk's key positions over in one transfer; decode never does.
 """
 
 from typing import Optional
 
 import torch
 
-from ..._utils import INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride
+from ..._utils import INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride
 from ..attention import attention_prefill, merge_attention_states
 from .api import FP8_DTYPE, _check_cache, _int_like
 from .reference import KV_LORA_RANK, ROPE_DIM, dequantize_rows
@@ -29,13 +30,16 @@ def _gather(cache, cache_scales, block_tables, seq_idx, pos, dtype):
 
 
 def _ranges(starts, ends, device):
-    """Packed (sequence index, position) of the key ranges [starts[b], ends[b]) and their cu_seqlens."""
+    """Packed (sequence index, position) of the key ranges [starts[b], ends[b]) and their cu_seqlens, worked out on
+    the host (host tensors) and sent in one transfer."""
     lens = (ends - starts).clamp(min=0)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = lens.cumsum(0)
     seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pos = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + starts[seq]
-    return seq.to(device), pos.to(device), cu.to(device)
+    pos = torch.arange(int(cu[-1])) - cu[:-1][seq] + starts[seq]
+    packed = torch.cat((cu, seq, pos)).to(device)
+    n = seq.numel()
+    return packed[len(lens) + 1:len(lens) + 1 + n], packed[len(lens) + 1 + n:], packed[:len(lens) + 1]
 
 
 def _keys_values(rows, w_uk, w_uv):
@@ -92,8 +96,9 @@ def mla_prefill(
     scale = float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    cu_q = cu_seqlens_q.cpu().long()
-    lens = seq_lens.cpu().long()
+    # the host values this call needs (the lengths size the gathers and grids) and the page table for its check
+    cu_q, lens, tables = cu_seqlens_q.cpu().long(), seq_lens.cpu().long(), block_tables.cpu()
+    page, width = latent_cache.shape[1], block_tables.shape[1]
     q_lens = cu_q[1:] - cu_q[:-1]
     if q_lens.numel() and (q_lens < 0).any():
         raise ValueError(f"cu_seqlens_q must not decrease, got {cu_q.tolist()}")
@@ -102,7 +107,15 @@ def mla_prefill(
     if (lens < q_lens).any():
         raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
                          f"(write_latent_cache first), got {lens.tolist()}")
-    check_block_tables(block_tables.cpu(), lens, latent_cache.shape[1], latent_cache.shape[0])
+    if batch and int(lens.max()) > width * page:
+        raise ValueError(f"seq_lens must lie in [0, {width * page}] (block_tables holds {width} pages of {page} per "
+                         f"sequence): the page table is too short, got seq_lens up to {int(lens.max())}")
+    used = torch.arange(width)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_pages = (((tables < 0) | (tables >= latent_cache.shape[0])) & used).any(1)
+    if bad_pages.any():
+        b = int(bad_pages.nonzero()[0])
+        raise ValueError(f"block_tables[{b}] refers to pages outside [0, {latent_cache.shape[0]}): "
+                         f"{tables[b, :-(-int(lens[b]) // page)].tolist()}")
 
     dev, dt = q_nope.device, q_nope.dtype
     w = w_kv_b.view(heads, nope + v_dim, KV_LORA_RANK)
