@@ -4,7 +4,7 @@ non-absorbed reference; and absorbed decode against the same non-absorbed math (
 import pytest
 import torch
 
-from lmkernels.ops.mla import mla_decode, mla_prefill, reference
+from lmkernels.ops.mla import mla_decode, mla_prefill, mla_prefill_plan, reference
 
 H, NOPE, VD = 4, 128, 128
 SCALE = 192 ** -0.5
@@ -41,6 +41,47 @@ def test_prefill_chunked_context(fp8):
         want, _ = reference.mla_attention(q_nope[a:e], q_pe[a:e], rows[b], w, lens[b] - q_lens[b], SCALE, NOPE, VD)
         err = (o[a:e].double() - want).norm() / want.norm()
         assert err < 3e-3, (b, err)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_plan_shared_by_layers(fp8):
+    """One step's plan serves several layers (other queries, other weights): each call equals the call that makes
+    its own plan, bit for bit; a fresh prompt, a prefix of several chunks, a one-token sequence."""
+    lens, q_lens = [21, 90, 1], [21, 7, 1]
+    cache, scales, tables = _cache(lens, 16, fp8)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=32)
+    assert len(plan.passes) == 1 + 3  # the new tokens, then 83 prefix keys in chunks of 32
+    for layer in range(2):
+        q_nope = (torch.randn(sum(q_lens), H, NOPE) / NOPE ** 0.25).half()
+        q_pe = (torch.randn(sum(q_lens), H, 64) / 8 ** 0.5).half()
+        w = (torch.randn(H * (NOPE + VD), 512) / 512 ** 0.5).half()
+        args = (q_nope, q_pe, cache, tables, cu, seq_lens, w)
+        shared = mla_prefill(*args, scale=SCALE, cache_scales=scales, chunk_size=32, plan=plan)
+        own = mla_prefill(*args, scale=SCALE, cache_scales=scales, chunk_size=32)
+        assert torch.equal(shared, own), layer
+    rows = reference.gather_latents(cache, tables, seq_lens, scales)
+    want, _ = reference.mla_attention(q_nope[21:28], q_pe[21:28], rows[1], w, 83, SCALE, NOPE, VD)
+    assert (shared[21:28].double() - want).norm() / want.norm() < 3e-3
+
+
+def test_prefill_plan_must_fit_the_call():
+    lens, q_lens = [30, 12], [10, 12]
+    cache, _, tables = _cache(lens, 16)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q_nope, q_pe = torch.randn(22, H, NOPE).half(), torch.randn(22, H, 64).half()
+    w = torch.randn(H * (NOPE + VD), 512).half()
+    plan = mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=16)
+    with pytest.raises(ValueError, match="chunk_size"):  # made for another chunk size
+        mla_prefill(q_nope, q_pe, cache, tables, cu, seq_lens, w, scale=SCALE, plan=plan)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at 21"):  # made for other new tokens
+        mla_prefill(q_nope[:21], q_pe[:21], cache, tables, cu, seq_lens, w, scale=SCALE, chunk_size=16, plan=plan)
+    with pytest.raises(TypeError, match="mla_prefill_plan"):
+        mla_prefill(q_nope, q_pe, cache, tables, cu, seq_lens, w, scale=SCALE, plan=(cu, seq_lens))
+    with pytest.raises(ValueError, match="page table is too short"):  # the plan makes the data checks
+        mla_prefill_plan(cache, tables, cu, torch.tensor([30, 300], dtype=torch.int32))
 
 
 def test_absorbed_decode_equals_plain_mla():

@@ -5,7 +5,7 @@ attention family's kernel, and a DeepSeek-V3 attention layer (layer.py). Math in
 
 from .api import MLADecodeSchedule, mla_decode, mla_decode_schedule, new_latent_cache, write_latent_cache
 from .layer import DeepseekV3MLA
-from .prefill import mla_prefill
+from .prefill import MLAPrefillPlan, mla_prefill, mla_prefill_plan
 
-__all__ = ["DeepseekV3MLA", "MLADecodeSchedule", "mla_decode", "mla_decode_schedule", "mla_prefill", "new_latent_cache",
-           "write_latent_cache"]
+__all__ = ["DeepseekV3MLA", "MLADecodeSchedule", "MLAPrefillPlan", "mla_decode", "mla_decode_schedule", "mla_prefill",
+           "mla_prefill_plan", "new_latent_cache", "write_latent_cache"]

@@ -87,12 +87,14 @@ class DeepseekV3MLA:
         return q_nope, q_pe
 
     def prefill(self, x, positions, cu_seqlens, seq_lens, block_tables, slot_mapping, cache, cache_scales=None,
-                chunk_size: int = 8192):
+                chunk_size: int = 8192, plan=None):
         """x [T, hidden] packed new tokens (cu_seqlens [B + 1]), their positions [T] and cache slots [T];
-        seq_lens [B] the full lengths after them. Returns [T, hidden]."""
+        seq_lens [B] the full lengths after them (plan: the step's mla_prefill_plan, shared by the model's layers).
+        Returns [T, hidden]."""
         q_nope, q_pe = self._project(x, positions, slot_mapping, cache, cache_scales)
         o = mla_prefill(q_nope.contiguous(), q_pe, cache, block_tables, cu_seqlens, seq_lens,
-                        self.w["kv_b_proj.weight"], scale=self.scale, cache_scales=cache_scales, chunk_size=chunk_size)
+                        self.w["kv_b_proj.weight"], scale=self.scale, cache_scales=cache_scales, chunk_size=chunk_size,
+                        plan=plan)
         return self._linear(o.reshape(x.shape[0], -1), "o_proj")
 
     def decode(self, x, positions, seq_lens, block_tables, slot_mapping, cache, cache_scales=None,

@@ -3,12 +3,16 @@ family's prefill kernel (q/k dim nope + 64, v dim v_head_dim), after up-projecti
     k_nope = c_kv · W_UKᵀ,  v = c_kv · W_UVᵀ,  k = [k_nope | k_pe] (k_pe shared by all heads).
 The new tokens (causal among themselves) and the cached prefix (all visible, in chunks of chunk_size
 tokens to bound the up-projected workspace) give partial (o, lse) that merge_attention_states combines.
-Prefill synchronises with the host (the lengths size the gathers and the grids): it reads the lengths and the page
-table (for its check) once and sends each chunk's key positions over in one transfer; decode never does.
+Which cache rows each pass gathers depends on the lengths, so it is worked out on the host: mla_prefill_plan reads the
+lengths and the page table once (one host sync), checks them, and sends the passes' cache rows over in one transfer;
+a model's layers share that plan within a step, so that their mla_prefill calls only enqueue kernels. Decode never
+syncs.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..._utils import INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride
@@ -19,32 +23,97 @@ from .reference import KV_LORA_RANK, ROPE_DIM, dequantize_rows
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the attention prefill kernel's head dims
 
 
-def _gather(cache, cache_scales, block_tables, seq_idx, pos, dtype):
-    """Latent rows of (sequence, position) pairs, in the compute dtype (FP8 dequantised)."""
-    page = cache.shape[1]
-    pages = block_tables[seq_idx, pos // page].long()
-    rows = cache[pages, pos % page]
-    if cache_scales is not None:
-        rows = dequantize_rows(rows, cache_scales[pages, pos % page])
-    return rows.to(dtype)
+@dataclass(frozen=True)
+class MLAPrefillPlan:
+    """The gathers of one prefill step (mla_prefill_plan), shared by the step's mla_prefill calls.
+    made_for: (batch, packed new tokens, page size, pages, chunk_size); max_q: the longest new-token run;
+    cu_q: cu_seqlens_q as int32 on the device; passes: per attention pass (the new tokens, causal, then each chunk of
+    the cached prefix) the cache rows to gather (page · page_size + offset, int64) and the keys' cu_seqlens (int32),
+    both on the device."""
+    made_for: tuple
+    max_q: int
+    cu_q: torch.Tensor
+    passes: tuple
 
 
-def _ranges(starts, ends, device):
-    """Packed (sequence index, position) of the key ranges [starts[b], ends[b]) and their cu_seqlens, worked out on
-    the host (host tensors) and sent in one transfer."""
-    lens = (ends - starts).clamp(min=0)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    cu[1:] = lens.cumsum(0)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pos = torch.arange(int(cu[-1])) - cu[:-1][seq] + starts[seq]
-    packed = torch.cat((cu, seq, pos)).to(device)
-    n = seq.numel()
-    return packed[len(lens) + 1:len(lens) + 1 + n], packed[len(lens) + 1 + n:], packed[:len(lens) + 1]
+def _ranges(starts, ends):
+    """Packed (sequence index, position) of the key ranges [starts[b], ends[b]) and their cu_seqlens (numpy: on
+    arrays of a prompt's length its ops cost a fraction of torch's per-op overhead on the host)."""
+    lens = np.maximum(ends - starts, 0)
+    cu = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=cu[1:])
+    seq = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(cu[-1]) + (starts - cu[:-1])[seq]
+    return seq, pos, cu
 
 
-def _keys_values(rows, w_uk, w_uv):
-    """Up-projection: rows [N, 576] → k [N, H, nope + 64], v [N, H, v_dim] (contiguous)."""
-    c, pe = rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:]
+def _check_step(latent_cache, block_tables, cu_seqlens_q, seq_lens):
+    """Argument checks mla_prefill_plan and mla_prefill share; returns the batch size."""
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have B + 1 ≥ 1 entries")
+    check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have one row per sequence ({batch}), got shape {tuple(block_tables.shape)}")
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch,))
+    check_tensor("latent_cache", latent_cache, ndim=3)
+    if latent_cache.shape[1] == 0:
+        raise ValueError("latent_cache must have a page size ≥ 1")
+    return batch
+
+
+def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, *, chunk_size: int = 8192) -> MLAPrefillPlan:
+    """The gathers of one prefill step for mla_prefill(..., plan=): the lengths and the page table are read on the
+    host once (one sync) and checked, the passes' cache rows made there and sent over in one transfer. The arguments
+    are those of the mla_prefill calls it serves; make it again whenever lengths, pages or chunk_size change."""
+    batch = _check_step(latent_cache, block_tables, cu_seqlens_q, seq_lens)
+    check_same_device(latent_cache=latent_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                      seq_lens=seq_lens)
+    _int_like("chunk_size", chunk_size, minimum=1)
+    cu_q, lens = cu_seqlens_q.cpu().numpy().astype(np.int64), seq_lens.cpu().numpy().astype(np.int64)
+    tables = block_tables.cpu().numpy()
+    num_pages, page = latent_cache.shape[:2]
+    width = block_tables.shape[1]
+    n_q = int(cu_q[-1]) if batch else 0
+    q_lens = cu_q[1:] - cu_q[:-1]
+    if (q_lens < 0).any():
+        raise ValueError(f"cu_seqlens_q must not decrease, got {cu_q.tolist()}")
+    if int(cu_q[0]) != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, got {cu_q.tolist()}")
+    if (lens < q_lens).any():
+        raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
+                         f"(write_latent_cache first), got {lens.tolist()}")
+    if batch and int(lens.max()) > width * page:
+        raise ValueError(f"seq_lens must lie in [0, {width * page}] (block_tables holds {width} pages of {page} per "
+                         f"sequence): the page table is too short, got seq_lens up to {int(lens.max())}")
+    used = np.arange(width)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_pages = (((tables < 0) | (tables >= num_pages)) & used).any(1)
+    if bad_pages.any():
+        b = int(np.flatnonzero(bad_pages)[0])
+        raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): "
+                         f"{tables[b, :-(-int(lens[b]) // page)].tolist()}")
+    prefix = lens - q_lens
+    bounds = [(prefix, lens)]  # the new tokens: causal among themselves
+    for start in range(0, int(prefix.max()) if batch else 0, chunk_size):  # the cached prefix, all keys visible
+        s = np.minimum(prefix, start)
+        bounds.append((s, np.minimum(s + chunk_size, prefix)))
+    rows, cus = [], []
+    for starts, ends in bounds:
+        seq, pos, cu = _ranges(starts, ends)
+        rows.append(tables[seq, pos // page].astype(np.int64) * page + pos % page)
+        cus.append(cu)
+    packed = torch.from_numpy(np.concatenate(rows + cus + [cu_q])).to(latent_cache.device)
+    n_rows = sum(r.size for r in rows)
+    cu_dev = packed[n_rows:].to(torch.int32).split([c.size for c in cus] + [batch + 1])
+    return MLAPrefillPlan((batch, n_q, page, num_pages, chunk_size), int(q_lens.max()) if batch else 0, cu_dev[-1],
+                          tuple(zip(packed[:n_rows].split([r.size for r in rows]), cu_dev[:-1])))
+
+
+def _keys_values(latents, w_uk, w_uv):
+    """Up-projection: latent rows [N, 576] → k [N, H, nope + 64], v [N, H, v_dim] (contiguous)."""
+    c, pe = latents[:, :KV_LORA_RANK], latents[:, KV_LORA_RANK:]
     k_nope = torch.einsum("nd,hkd->nhk", c, w_uk)
     v = torch.einsum("nd,hvd->nhv", c, w_uv).contiguous()
     k = torch.cat((k_nope, pe[:, None, :].expand(-1, k_nope.shape[1], -1)), dim=-1).contiguous()
@@ -54,7 +123,7 @@ def _keys_values(rows, w_uk, w_uv):
 def mla_prefill(
     q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, w_kv_b: torch.Tensor, *, scale: float,
-    cache_scales: Optional[torch.Tensor] = None, chunk_size: int = 8192,
+    cache_scales: Optional[torch.Tensor] = None, chunk_size: int = 8192, plan: Optional[MLAPrefillPlan] = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its whole latent context → o [T, H, v_dim].
 
@@ -64,6 +133,8 @@ def mla_prefill(
     first per head, then W_UV). latent_cache/cache_scales/block_tables as in mla_decode. float16/bfloat16
     (the attention kernel's dtypes); nope + 64 and v_dim must be attention head dims (DeepSeek: 192, 128).
     chunk_size: cached-prefix keys up-projected per step (workspace 2·chunk_size·H·192 values).
+    plan: the step's mla_prefill_plan for these lengths, page table and chunk_size, shared by the layers (no host
+    sync in this call); None makes one here (one host sync).
     """
     check_tensor("q_nope", q_nope, dtypes=(torch.float16, torch.bfloat16), ndim=3)
     n_q, heads, nope = q_nope.shape
@@ -80,14 +151,7 @@ def mla_prefill(
     if nope + ROPE_DIM not in HEAD_DIMS or v_dim not in HEAD_DIMS:
         raise ValueError(f"q/k head dim nope + {ROPE_DIM} = {nope + ROPE_DIM} and v_dim = {v_dim} must be in "
                          f"{HEAD_DIMS} (the attention prefill kernel's)")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
-    batch = cu_seqlens_q.shape[0] - 1
-    if batch < 0:
-        raise ValueError("cu_seqlens_q must have B + 1 ≥ 1 entries")
-    check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must have one row per sequence ({batch}), got shape {tuple(block_tables.shape)}")
-    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch,))
+    batch = _check_step(latent_cache, block_tables, cu_seqlens_q, seq_lens)
     check_same_device(q_nope=q_nope, q_pe=q_pe, latent_cache=latent_cache, cache_scales=cache_scales,
                       block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, w_kv_b=w_kv_b)
     check_unit_stride("q_nope", q_nope)
@@ -96,46 +160,31 @@ def mla_prefill(
     scale = float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    # the host values this call needs (the lengths size the gathers and grids) and the page table for its check
-    cu_q, lens, tables = cu_seqlens_q.cpu().long(), seq_lens.cpu().long(), block_tables.cpu()
-    page, width = latent_cache.shape[1], block_tables.shape[1]
-    q_lens = cu_q[1:] - cu_q[:-1]
-    if q_lens.numel() and (q_lens < 0).any():
-        raise ValueError(f"cu_seqlens_q must not decrease, got {cu_q.tolist()}")
-    if int(cu_q[-1]) != n_q or int(cu_q[0]) != 0:
-        raise ValueError(f"cu_seqlens_q must start at 0 and end at {n_q} (the packed tokens), got {cu_q.tolist()}")
-    if (lens < q_lens).any():
-        raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
-                         f"(write_latent_cache first), got {lens.tolist()}")
-    if batch and int(lens.max()) > width * page:
-        raise ValueError(f"seq_lens must lie in [0, {width * page}] (block_tables holds {width} pages of {page} per "
-                         f"sequence): the page table is too short, got seq_lens up to {int(lens.max())}")
-    used = torch.arange(width)[None, :] < ((lens + page - 1) // page)[:, None]
-    bad_pages = (((tables < 0) | (tables >= latent_cache.shape[0])) & used).any(1)
-    if bad_pages.any():
-        b = int(bad_pages.nonzero()[0])
-        raise ValueError(f"block_tables[{b}] refers to pages outside [0, {latent_cache.shape[0]}): "
-                         f"{tables[b, :-(-int(lens[b]) // page)].tolist()}")
+    if plan is None:
+        plan = mla_prefill_plan(latent_cache, block_tables, cu_seqlens_q, seq_lens, chunk_size=chunk_size)
+    elif not isinstance(plan, MLAPrefillPlan):
+        raise TypeError(f"plan must come from mla_prefill_plan, got {type(plan).__name__}")
+    if plan.made_for[1] != n_q:
+        raise ValueError(f"cu_seqlens_q must end at {n_q} (the packed tokens of q_nope); the plan was made for "
+                         f"cu_seqlens_q ending at {plan.made_for[1]}")
+    made_for = (batch, n_q, latent_cache.shape[1], latent_cache.shape[0], chunk_size)
+    if plan.made_for != made_for:
+        raise ValueError(f"plan was made for (batch, new tokens, page size, pages, chunk_size) = {plan.made_for}, "
+                         f"this call has {made_for}: make it with this step's arguments")
+    check_same_device(q_nope=q_nope, plan=plan.cu_q)
 
-    dev, dt = q_nope.device, q_nope.dtype
+    dt = q_nope.dtype
     w = w_kv_b.view(heads, nope + v_dim, KV_LORA_RANK)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q = torch.cat((q_nope, q_pe), dim=-1).contiguous()
-    cu_q_dev = cu_seqlens_q.to(torch.int32)
-    max_q = int(q_lens.max()) if batch else 0
-    prefix = lens - q_lens
-
-    seq, pos, cu_k = _ranges(prefix, lens, dev)  # the new tokens: causal among themselves
-    k, v = _keys_values(_gather(latent_cache, cache_scales, block_tables, seq, pos, dt), w_uk, w_uv)
-    o, lse = attention_prefill(q, k, v, causal=True, scale=scale, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k,
-                               max_seqlen_q=max_q, return_lse=True)
-    lse = lse.transpose(0, 1)  # [T, H]
-    longest = int(prefix.max()) if batch else 0
-    for start in range(0, longest, chunk_size):  # the cached prefix, chunk by chunk, all keys visible
-        s = torch.full_like(prefix, start).minimum(prefix)
-        seq, pos, cu_k = _ranges(s, (s + chunk_size).minimum(prefix), dev)
-        k, v = _keys_values(_gather(latent_cache, cache_scales, block_tables, seq, pos, dt), w_uk, w_uv)
-        o_c, lse_c = attention_prefill(q, k, v, causal=False, scale=scale, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k,
-                                       max_seqlen_q=max_q, return_lse=True)
-        o, lse = merge_attention_states(o, lse, o_c, lse_c.transpose(0, 1))
+    latents = latent_cache.view(-1, latent_cache.shape[-1])
+    scales = None if cache_scales is None else cache_scales.view(-1, cache_scales.shape[-1])
+    o = lse = None
+    for i, (rows, cu_k) in enumerate(plan.passes):  # the new tokens (causal among themselves), then prefix chunks
+        gathered = latents[rows] if scales is None else dequantize_rows(latents[rows], scales[rows])
+        k, v = _keys_values(gathered.to(dt), w_uk, w_uv)
+        o_i, lse_i = attention_prefill(q, k, v, causal=i == 0, scale=scale, cu_seqlens_q=plan.cu_q, cu_seqlens_k=cu_k,
+                                       max_seqlen_q=plan.max_q, return_lse=True)
+        lse_i = lse_i.transpose(0, 1)  # [T, H]
+        o, lse = (o_i, lse_i) if i == 0 else merge_attention_states(o, lse, o_i, lse_i)
     return o
