@@ -212,9 +212,10 @@ def _kda_cases(big, dev, dt):
 
 
 def _mla_cases(big, dev, dt):
-    """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots) and the absorbed decode
+    """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots), the absorbed decode
     over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads: the warp-specialised
-    kernel on Hopper)."""
+    kernel on Hopper) and the prefill (q/k 192, v 128) over the same pages: new tokens after cached prefixes of
+    several chunks, with its own plan and with a plan shared by two calls."""
     ref = mla.reference
     page = 64 if big else 16
     ctx = [1, 1000, 4097, 333] if big else [1, 37, 20]
@@ -249,6 +250,25 @@ def _mla_cases(big, dev, dt):
                    lambda qn=qn, qp=qp, step=step: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07,
                                                                  schedule=step)[0],
                    lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+    heads, chunk = (16, 1024) if big else (4, 8)
+    q_lens = [1, 200, 1500, 333] if big else [1, 10, 20]
+    cu = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
+    qn = torch.randn(sum(q_lens), heads, 128, device=dev, dtype=dt) / 128 ** 0.25
+    qp = torch.randn(sum(q_lens), heads, 64, device=dev, dtype=dt) / 8
+    w_kv_b = torch.randn(heads * 256, 512, device=dev, dtype=dt) / 512 ** 0.5
+    args = (qn, qp, cache, tables, cu, seq_lens, w_kv_b)
+
+    def prefill_ref():
+        rows = ref.gather_latents(cache, tables, seq_lens)
+        return torch.cat([ref.mla_attention(qn[a:e], qp[a:e], rows[b], w_kv_b, ctx[b] - (e - a), 0.07, 128, 128)[0]
+                          for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))])
+
+    plan = mla.mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=chunk)
+    yield (f"mla_prefill({heads} heads)", qn.shape, lambda: mla.mla_prefill(*args, scale=0.07, chunk_size=chunk),
+           prefill_ref)
+    yield (f"mla_prefill({heads} heads, shared plan)", qn.shape,
+           lambda: torch.cat([mla.mla_prefill(*args, scale=0.07, chunk_size=chunk, plan=plan) for _ in range(2)]),
+           lambda: prefill_ref().repeat(2, 1, 1))
 
 
 def cases(device):
