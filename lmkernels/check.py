@@ -214,8 +214,8 @@ def _kda_cases(big, dev, dt):
 def _mla_cases(big, dev, dt):
     """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots), the absorbed decode
     over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads: the warp-specialised
-    kernel on Hopper) and the prefill (q/k 192, v 128) over the same pages: new tokens after cached prefixes of
-    several chunks, with its own plan and with a plan shared by two calls."""
+    kernel on Hopper), both again over an FP8 cache, and the prefill (q/k 192, v 128) over the same pages: new
+    tokens after cached prefixes of several chunks, with its own plan and with a plan shared by two calls."""
     ref = mla.reference
     page = 64 if big else 16
     ctx = [1, 1000, 4097, 333] if big else [1, 37, 20]
@@ -250,6 +250,23 @@ def _mla_cases(big, dev, dt):
                    lambda qn=qn, qp=qp, step=step: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07,
                                                                  schedule=step)[0],
                    lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+    # FP8 e4m3 cache (a scale per 128 values): the fused write (compared dequantised) and the decode over it
+    c8, s8 = mla.new_latent_cache(cache.shape[0], page, dtype=torch.float8_e4m3fn, device=dev)
+
+    def write8(fn):
+        c, s = torch.zeros_like(c8), torch.full_like(s8, float("nan"))
+        fn(kv, w, cs, pos, slots, c, cache_scales=s)
+        return ref.dequantize_rows(c.view(-1, 576)[slots], s.view(-1, s.shape[-1])[slots])
+
+    yield ("write_latent_cache(fp8)", kv.shape, lambda: write8(mla.write_latent_cache),
+           lambda: write8(ref.write_latent_cache))
+    mla.write_latent_cache(kv, w, cs, pos, slots, c8, cache_scales=s8)
+    for heads in (16, 128) if big else (16,):
+        qn = torch.randn(len(ctx), 1, heads, 512, device=dev, dtype=dt)
+        qp = torch.randn(len(ctx), 1, heads, 64, device=dev, dtype=dt)
+        yield (f"mla_decode({heads} heads, fp8 cache)", qn.shape,
+               lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, c8, tables, seq_lens, scale=0.07, cache_scales=s8)[0],
+               lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, c8, tables, seq_lens, 0.07, s8)[0])
     heads, chunk = (16, 1024) if big else (4, 8)
     q_lens = [1, 200, 1500, 333] if big else [1, 10, 20]
     cu = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)

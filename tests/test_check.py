@@ -12,7 +12,8 @@ def test_check_passes_and_covers_every_family(capsys):
     for name in ("rms_norm", "layer_norm_gelu", "silu_and_mul", "apply_rotary", "attention_prefill",
                  "attention_decode(fp8 cache)", "write_kv_cache", "merge_attention_states", "gemv(rms_norm, SwiGLU)",
                  "gemv_qkv(rms_norm, rotary, cache)", "write_latent_cache", "mla_decode(16 heads, q 2)",
-                 "mla_decode(16 heads, shared schedule)",
+                 "mla_decode(16 heads, shared schedule)", "write_latent_cache(fp8)", "mla_decode(16 heads, fp8 cache)",
+                 "mla_prefill(4 heads)", "mla_prefill(4 heads, shared plan)",
                  "kda_prefill(N=3, H=2) state", "kda_decode(state pool) o", "kda_decode(state pool) states"):
         assert name in out
     assert "all passed" in out
