@@ -28,6 +28,7 @@ def dry_run(monkeypatch):
     monkeypatch.setattr(suite, "HEAD_DIM", 64)
     monkeypatch.setattr(suite, "QUICK_PREFILL", ((40, 64, True, 4, 2), (33, 64, False, 2, 1),
                                                  (24, 192, True, 2, 2, 128)))
+    monkeypatch.setattr(suite, "QUICK_MLA_PREFILL", ((2, 20, 70),))
     monkeypatch.setattr(suite, "QUICK_DECODE", (("B=1 ctx=70", (70,), 16, False),
                                                 ("skewed", (90, 5, 0), 16, False),
                                                 ("B=2 fp8", (33, 33), 16, True)))
@@ -46,20 +47,27 @@ def test_attention_suite_dry_run(dry_run):
     saves = []
     suite.run(result, quick=True, save=lambda: saves.append(len(result["rows"])))
     rows = result["rows"]
-    assert len(rows) == 6 and saves == [1, 2, 3, 4, 5, 6]
+    assert len(rows) == 7 and saves == [1, 2, 3, 4, 5, 6, 7]
     for row in rows:
         assert row["status"] == "ok", row
         assert row["ours"]["err"] < 1e-2 and row["ours"]["gbps"] > 0
         assert row["unit"] in ("TFLOP/s", "GB/s") and row["note"]
     prefill = [r for r in rows if r["op"] == "attention_prefill"]
     decode = [r for r in rows if r["op"] == "attention_decode"]
-    assert len(prefill) == 3 and len(decode) == 3
+    mla_layer = [r for r in rows if r["op"] == "mla_prefill"]
+    assert len(prefill) == 3 and len(decode) == 3 and len(mla_layer) == 1
     mla = prefill[2]  # MLA prefill's attention: q/k dim 192, v dim 128
     assert mla["label"] == "B=1 S=24 2/2 heads d192/128 causal" and mla["flops"] == 2 * 24 * 24 * 2 * 320 // 2
     for row in prefill:
         assert row["ours"]["tflops"] > 0 and row["pct_copy"] is None
         assert [p["name"] for p in row["peers"]] == ["sdpa-math"] and row["peers"][0]["err"] < 1e-2
         assert row["ratio"] is not None
+    layer = mla_layer[0]  # a whole MLA prefill layer: 20 new tokens after 70 cached ones (two pages of 64)
+    assert layer["label"] == "B=1 2 heads, 20 new tokens after 70 cached"
+    assert layer["flops"] == 2 * 2 * 320 * (20 * 70 + 20 * 20 // 2) + 2 * 90 * 512 * 2 * 256
+    assert [p["name"] for p in layer["peers"]] == ["torch + sdpa-math"] and layer["peers"][0]["err"] < 1e-2
+    assert layer["own_plan"]["err"] < 1e-2 and layer["ours"]["tflops"] > 0 and layer["ratio"] is not None
+    assert layer["goal"] == {} and suite.progress_line(layer).endswith("no goal")
     b1, skewed, fp8 = decode
     assert b1["peers"] and b1["peers"][0]["err"] < 1e-2
     assert set(b1["goal"]) == {"peer"} and b1["goal"]["peer"] is not None  # B=1: ≥ 2x SDPA only

@@ -32,6 +32,9 @@ PREFILL = ((2048, 128, True, 32, 8), (8192, 128, True, 32, 8), (32768, 128, True
            (8192, 64, True, 32, 8), (8192, 256, True, 16, 4), (8192, 192, True, 128, 128, 128),
            (8192, 192, True, 16, 16, 128))
 QUICK_PREFILL = ((2048, 128, True, 32, 8), (8192, 128, True, 32, 8))
+# MLA prefill, a whole layer (issue 6): (heads, new tokens, cached prefix)
+MLA_PREFILL = ((16, 8192, 0), (128, 4096, 0), (128, 1024, 8192))
+QUICK_MLA_PREFILL = MLA_PREFILL[:1]
 FLEX_SHAPES = ((8192, 128, True),)  # FlexAttention compiles per shape (tens of seconds): one representative
 VARLEN = (8192, 4096, 2048, 1024, 512, 300, 100, 7000)
 # (label, lengths, page size, fp8 cache)
@@ -146,6 +149,83 @@ def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
     if cudnn and row["status"] == "ok":  # the goal is against cuDNN, whichever peer is fastest
         row["goal"]["peer"] = bool(ours["gbps"] / cudnn[0]["gbps"] >= PREFILL_PEER_GOAL)
         row["ratio_cudnn"] = ours["gbps"] / cudnn[0]["gbps"]
+    return row
+
+
+def _masked_sdpa(backend, mask):
+    """SDPA restricted to one backend with a boolean mask (True: attend); [B, H, S, D]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+         "math": SDPBackend.MATH}[backend]
+
+    def run(q, k, v):
+        with sdpa_kernel(b):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return run
+
+
+def mla_prefill_case(heads, n_new, prefix):
+    """MLA prefill (issue 6, no goal stated): one layer's mla_prefill for one sequence of n_new new tokens after a
+    cached prefix, in a step whose layers share one mla_prefill_plan (made outside the timing, as the decode
+    schedule is), against the same math in plain PyTorch: the latents up-projected by the same einsums into k
+    [S, H, 192] and v [S, H, 128], then SDPA (cuDNN, mem-efficient; a mask where a prefix shifts the causal
+    diagonal). The checks are against SDPA mem-efficient on that up-projection. The note adds one call that makes
+    its own plan (a host sync: timed eagerly). TFLOP/s count the attention (causal) and the up-projection."""
+    from ...ops.mla import mla_prefill, mla_prefill_plan
+
+    dt, dev = _dtype(), _dev()
+    page, nope, dv, scale = 64, 128, 128, 192 ** -0.5
+    total = prefix + n_new
+    pages = -(-total // page)
+    cache = torch.randn(pages, page, 576, device=dev, dtype=dt)
+    tables = torch.randperm(pages, device=dev).to(torch.int32)[None]
+    cu = torch.tensor([0, n_new], device=dev, dtype=torch.int32)
+    lens = torch.tensor([total], device=dev, dtype=torch.int32)
+    q_nope = torch.randn(n_new, heads, nope, device=dev, dtype=dt) / nope ** 0.25
+    q_pe = torch.randn(n_new, heads, 64, device=dev, dtype=dt) / 8
+    w_kv_b = torch.randn(heads * (nope + dv), 512, device=dev, dtype=dt) / 512 ** 0.5
+    w = w_kv_b.view(heads, nope + dv, 512)
+    latents = cache[tables[0].long()].flatten(0, 1)[:total]  # the dense rows a non-paged engine would hold
+    flops = 2 * heads * (nope + 64 + dv) * (n_new * prefix + n_new * n_new // 2) + 2 * total * 512 * heads * (nope + dv)
+    nbytes = (n_new * heads * (nope + 64 + dv) + total * 576) * q_nope.element_size()
+    mask = None
+    if prefix:
+        mask = torch.arange(total, device=dev)[None, :] <= prefix + torch.arange(n_new, device=dev)[:, None]
+
+    def torch_fn(backend):
+        attend = sdpa_fn(backend, True) if mask is None else _masked_sdpa(backend, mask)
+
+        def run(q_nope, q_pe, latents):
+            c, pe = latents[:, :512], latents[:, 512:]
+            k = torch.cat((torch.einsum("nd,hkd->nhk", c, w[:, :nope]), pe[:, None].expand(-1, heads, -1)), -1)
+            v = torch.einsum("nd,hvd->nhv", c, w[:, nope:])
+            q = torch.cat((q_nope, q_pe), -1)  # SDPA's default scale is 1/sqrt(192) = scale
+            return attend(*(x[None].transpose(1, 2) for x in (q, k, v))).transpose(1, 2)[0]
+
+        return run
+
+    want = torch_fn("efficient" if dev == "cuda" else "math")(q_nope, q_pe, latents).float()
+    check = lambda o: rel_err(o.float(), want)  # noqa: E731
+    plan = mla_prefill_plan(cache, tables, cu, lens)
+
+    def ours_fn(q_nope, q_pe):
+        return mla_prefill(q_nope, q_pe, cache, tables, cu, lens, w_kv_b, scale=scale, plan=plan)
+
+    ours = check_then_time("ours", "ours", ours_fn, [(q_nope, q_pe)], check, nbytes, flops)
+    own = check_then_time("ours, a plan per call", "ours", lambda q_nope, q_pe: mla_prefill(
+        q_nope, q_pe, cache, tables, cu, lens, w_kv_b, scale=scale), [(q_nope, q_pe)], check, nbytes, flops)
+    peers = [check_then_time(f"torch + sdpa-{b}", "sdpa", torch_fn(b), [(q_nope, q_pe, latents)], check, nbytes,
+                             flops) for b in (("cudnn", "efficient") if dev == "cuda" else ("math",))]
+    row_label = f"B=1 {heads} heads, {n_new} new tokens after {prefix} cached"
+    own_text = (f"{own['ms']:.3f} ms ({own.get('timing')})" if "ms" in own else
+                own.get("wrong") or own.get("missing"))
+    note = (f"{row_label}: " + _rate_note(ours, peers, "TFLOP/s", "none stated")
+            + f"; one layer of a step sharing its plan; a call making its own plan: {own_text}")
+    row = _row("mla_prefill", row_label, [1, n_new, prefix, heads, nope + 64, dv], nbytes, flops, "TFLOP/s", ours,
+               peers, None, {}, note)
+    row["own_plan"] = own
     return row
 
 
@@ -295,6 +375,8 @@ def cases(quick: bool = False):
             s, d, causal, hq, hk, *dv, flex=not quick and (s, d, causal) in FLEX_SHAPES)
     if not quick:
         yield lambda: varlen_case(VARLEN)
+    for heads, n_new, prefix in (QUICK_MLA_PREFILL if quick else MLA_PREFILL):
+        yield lambda heads=heads, n_new=n_new, prefix=prefix: mla_prefill_case(heads, n_new, prefix)
     for label, lens, page, fp8 in (QUICK_DECODE if quick else DECODE):
         yield lambda label=label, lens=lens, page=page, fp8=fp8: decode_case(label, list(lens), page, fp8)
 
@@ -323,7 +405,7 @@ def progress_line(row: dict) -> str:
     if row.get("ratio") is not None:
         parts.append(f"{row['ratio']:.3f}x {row['best_peer']}")
     goal = row.get("goal") or {}
-    parts.append("goal " + ("met" if all(v is not False for v in goal.values()) else
-                            "miss: " + ", ".join(k for k, v in goal.items() if v is False)))
+    parts.append("no goal" if not goal else "goal " + ("met" if all(v is not False for v in goal.values()) else
+                                                        "miss: " + ", ".join(k for k, v in goal.items() if v is False)))
     return f"{head} " + ", ".join(parts)
 
