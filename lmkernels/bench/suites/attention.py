@@ -9,6 +9,8 @@ goal) plus `unit`, `flops` and `tflops`:
   ratios); the TFLOP/s figures (2·S²·H·(Dqk + Dv), halved when causal) are in the row's `tflops` keys and
   note, and pct_copy is empty (compute-bound). Two rows are MLA prefill's attention (q/k dim 192, v dim 128;
   issue 6), checked against SDPA mem-efficient (flash takes one head dim).
+- mla_prefill rows (issue 6, no goal): a whole MLA prefill layer (gather, up-projection, attention, LSE merge of
+  prefix chunks) against the same math in PyTorch (einsums + SDPA).
 - decode rows: `gbps` counts the K and V cache bytes read (the issue's "KV bytes read per second"),
   pct_copy is against the device-to-device copy measured in the same run.
 Goals (issue 3): prefill ≥ 1.0x SDPA cuDNN; decode B=1 ≥ 2x the best SDPA backend, B=32/B=64 ≥ 1.0x SDPA and
@@ -63,8 +65,9 @@ def _dtype():
 # peers
 
 
-def sdpa_fn(backend: str, causal: bool, gqa: bool = False):
-    """SDPA restricted to one backend; q/k/v in [B, H, S, D]."""
+def sdpa_fn(backend: str, causal: bool, gqa: bool = False, mask=None):
+    """SDPA restricted to one backend; q/k/v in [B, H, S, D]; mask: a boolean attn_mask (True: attend) instead of
+    the causal flag."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -72,7 +75,8 @@ def sdpa_fn(backend: str, causal: bool, gqa: bool = False):
 
     def run(q, k, v):
         with sdpa_kernel(b):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                  enable_gqa=gqa)
 
     return run
 
@@ -152,20 +156,6 @@ def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
     return row
 
 
-def _masked_sdpa(backend, mask):
-    """SDPA restricted to one backend with a boolean mask (True: attend); [B, H, S, D]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    b = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-         "math": SDPBackend.MATH}[backend]
-
-    def run(q, k, v):
-        with sdpa_kernel(b):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    return run
-
-
 def mla_prefill_case(heads, n_new, prefix):
     """MLA prefill (issue 6, no goal stated): one layer's mla_prefill for one sequence of n_new new tokens after a
     cached prefix, in a step whose layers share one mla_prefill_plan (made outside the timing, as the decode
@@ -195,7 +185,7 @@ def mla_prefill_case(heads, n_new, prefix):
         mask = torch.arange(total, device=dev)[None, :] <= prefix + torch.arange(n_new, device=dev)[:, None]
 
     def torch_fn(backend):
-        attend = sdpa_fn(backend, True) if mask is None else _masked_sdpa(backend, mask)
+        attend = sdpa_fn(backend, True, mask=mask)
 
         def run(q_nope, q_pe, latents):
             c, pe = latents[:, :512], latents[:, 512:]
