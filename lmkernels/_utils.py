@@ -122,15 +122,17 @@ def l2_bytes(device) -> int:
 
 def check_block_tables(block_tables, seq_lens, page_size, num_pages):
     """seq_lens within the page table's capacity and the pages it uses within [0, num_pages): data checks,
-    so for CPU tensors only (on CUDA they would cost a host sync)."""
+    so for CPU tensors only (on CUDA they would cost a host sync). One vectorised test over the table."""
     if block_tables.device.type != "cpu" or seq_lens.numel() == 0:
         return
-    lens = seq_lens.tolist()
+    lens = seq_lens.long()
     cap = block_tables.shape[1] * page_size
-    if min(lens) < 0 or max(lens) > cap:
+    if int(lens.min()) < 0 or int(lens.max()) > cap:
         raise ValueError(f"seq_lens must lie in [0, {cap}] (block_tables holds {block_tables.shape[1]} pages of "
-                         f"{page_size} per sequence): the page table is too short, got seq_lens up to {max(lens)}")
-    for b, n in enumerate(lens):
-        used = block_tables[b, : -(-n // page_size)]
-        if used.numel() and (used.min() < 0 or used.max() >= num_pages):
-            raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): {used.tolist()}")
+                         f"{page_size} per sequence): the page table is too short, got seq_lens up to {int(lens.max())}")
+    used = torch.arange(block_tables.shape[1])[None, :] < ((lens + page_size - 1) // page_size)[:, None]
+    bad = (((block_tables < 0) | (block_tables >= num_pages)) & used).any(1)
+    if bad.any():
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): "
+                         f"{block_tables[b, : -(-int(lens[b]) // page_size)].tolist()}")

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..._utils import INDEX_DTYPES, check_same_device, check_tensor, check_unit_stride
+from ..._utils import INDEX_DTYPES, check_block_tables, check_same_device, check_tensor, check_unit_stride
 from ..attention import attention_prefill, merge_attention_states
 from .api import FP8_DTYPE, _check_cache, _int_like
 from .reference import KV_LORA_RANK, ROPE_DIM, dequantize_rows
@@ -73,9 +73,9 @@ def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_
                       seq_lens=seq_lens)
     _int_like("chunk_size", chunk_size, minimum=1)
     cu_q, lens = cu_seqlens_q.cpu().numpy().astype(np.int64), seq_lens.cpu().numpy().astype(np.int64)
-    tables = block_tables.cpu().numpy()
+    tables_cpu = block_tables.cpu()
+    tables = tables_cpu.numpy()
     num_pages, page = latent_cache.shape[:2]
-    width = block_tables.shape[1]
     n_q = int(cu_q[-1]) if batch else 0
     q_lens = cu_q[1:] - cu_q[:-1]
     if (q_lens < 0).any():
@@ -85,15 +85,7 @@ def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_
     if (lens < q_lens).any():
         raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
                          f"(write_latent_cache first), got {lens.tolist()}")
-    if batch and int(lens.max()) > width * page:
-        raise ValueError(f"seq_lens must lie in [0, {width * page}] (block_tables holds {width} pages of {page} per "
-                         f"sequence): the page table is too short, got seq_lens up to {int(lens.max())}")
-    used = np.arange(width)[None, :] < ((lens + page - 1) // page)[:, None]
-    bad_pages = (((tables < 0) | (tables >= num_pages)) & used).any(1)
-    if bad_pages.any():
-        b = int(np.flatnonzero(bad_pages)[0])
-        raise ValueError(f"block_tables[{b}] refers to pages outside [0, {num_pages}): "
-                         f"{tables[b, :-(-int(lens[b]) // page)].tolist()}")
+    check_block_tables(tables_cpu, torch.from_numpy(lens), page, num_pages)
     prefix = lens - q_lens
     bounds = [(prefix, lens)]  # the new tokens: causal among themselves
     for start in range(0, int(prefix.max()) if batch else 0, chunk_size):  # the cached prefix, all keys visible
