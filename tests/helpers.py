@@ -23,7 +23,8 @@ def nan_empty(*args, **kwargs):
 def compile_in_fresh_process(expr: str):
     """The JSON value of `expr` (a compile_check call) evaluated in a fresh Python without TRITON_INTERPRET: the
     interpreter tests patch triton.language in this process, and Gluon kernels compile through it."""
-    code = ("import json, lmkernels.ops.kda.compile_check, lmkernels.ops.mla.compile_check; "
+    code = ("import json, lmkernels.ops.attention.compile_check, lmkernels.ops.kda.compile_check, "
+            "lmkernels.ops.mla.compile_check; "
             f"print(json.dumps({expr}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -131,7 +131,6 @@ def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
         return attention_prefill(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s)
 
     ours = check_then_time("ours", "ours", ours_fn, [(q, k, v)], check, nbytes, flops)
-    cfg = kernels.prefill_config(d, dv, s)
     peers = []
     for b in (SDPA_BACKENDS if dev == "cuda" else ("math",)):
         peers.append(check_then_time(f"sdpa-{b}", "sdpa", sdpa_fn(b, causal), [(qt, kt, vt)], check, nbytes, flops))
@@ -146,8 +145,7 @@ def prefill_case(s, d, causal, hq, hk, dv=None, flex=False):
     ratio_goal = {"peer": PREFILL_PEER_GOAL}
     label = f"B=1 S={s} {hq}/{hk} heads d{d}{f'/{dv}' if dv != d else ''} {'causal' if causal else 'full'}"
     note = (f"{label}: " + _rate_note(ours, peers, "TFLOP/s", "≥ 1.0x SDPA cuDNN")
-            + f" (config {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            + f" {'tma' if cfg.get('TMA') else 'ptr'})")
+            + f" ({kernels.prefill_path(q, k, v, s, causal)})")
     shape = [1, s, hq, hk, d] + ([dv] if dv != d else [])
     row = _row("attention_prefill", label, shape, nbytes, flops, "TFLOP/s", ours, peers, None, ratio_goal, note)
     if cudnn and row["status"] == "ok":  # the goal is against cuDNN, whichever peer is fastest

@@ -1,5 +1,5 @@
 """Compile the attention kernels for Hopper (sm_90) on a machine without a GPU, and report what ptxas made of
-them: `python -m lmkernels.ops.attention.compile_check [prefill|paged|decode|persistent|other|all]`.
+them: `python -m lmkernels.ops.attention.compile_check [prefill|ws|paged|decode|persistent|other|all]`.
 
 A development aid for the launch heuristics, not a test: it catches GPU-only compile errors (things the
 interpreter accepts, such as non-constexpr globals) and prints per configuration the registers, stack bytes
@@ -68,6 +68,21 @@ def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, caus
     return compile_kernel(K._prefill_kernel, types, ce, nw, ns)
 
 
+def prefill_ws(dqk=192, dv=128, dtype="bf16", causal=True, varlen=True):
+    """The warp-specialised Gluon prefill (prefill_ws.py) at its config's tiles."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import prefill_ws as W
+
+    block_n, stages = W.config(dqk, dv)
+    lo, hi = K.head_dim_blocks(dqk)
+    types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, o_ptr="*" + dtype, lse_ptr="*fp32",
+                 cu_q_ptr="*i32", cu_k_ptr="*i32", qk_scale="fp32")
+    ce = dict(VARLEN=varlen, CAUSAL=causal, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv, DQK_LO=lo, DQK_HI=hi,
+              BLOCK_N=block_n, STAGES=stages, M_BAND=16, CONSUMER_REGS=W.CONSUMER_REGS)
+    return compile_kernel(W._prefill_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
+
+
 def decode(d=128, rows=4, cache="bf16", split=True, cfg=None):
     cfg = dict(cfg or K.decode_config(d, d, rows))
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -125,6 +140,12 @@ def _show(name, r):
           f"mma {r['mma']:>3} cp.async {r['cp_async']:>3} tma {r['tma']:>3}", flush=True)
 
 
+def _ws_config(dqk, dv):
+    from .prefill_ws import config
+
+    return config(dqk, dv)
+
+
 def main(argv=None):
     which = (argv or sys.argv[1:] or ["all"])[0]
     if which in ("prefill", "all"):
@@ -134,6 +155,12 @@ def main(argv=None):
                     cfg = K.prefill_config(dqk, dv, m)
                     _show(f"prefill d{dqk}/{dv} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} "
                           f"s{cfg['num_stages']} {'tma' if tma else 'ptr'}", prefill(dqk, dv, tma=tma, max_seqlen_q=m))
+    if which in ("prefill", "ws", "all"):
+        for dqk, dv in ((64, 64), (128, 128), (192, 128), (256, 128)):
+            for causal in (True, False):
+                block_n, stages = _ws_config(dqk, dv)
+                _show(f"prefill_ws d{dqk}/{dv} 128x{block_n} s{stages} {'causal' if causal else 'full'}",
+                      prefill_ws(dqk, dv, causal=causal))
     if which in ("paged", "all"):
         for cache in ("bf16", "fp8e4nv"):
             for d in (64, 128, 256):

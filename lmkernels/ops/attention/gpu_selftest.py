@@ -93,15 +93,18 @@ def _checks(dev, small=False):
             return fn
         return add
 
-    def prefill_case(lens_q, lens_k, hq, hk, dqk, dv, dtype, tma, kw):
+    def prefill_case(lens_q, lens_k, hq, hk, dqk, dv, dtype, path, kw):
         lens_q, lens_k = [L(n) for n in lens_q], [L(n) for n in lens_k]
         q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, H(hq), H(hk), dqk, dv, dtype, dev)
-        kernels.PREFILL_TMA = tma
+        # path ws: the Gluon kernel where it applies (prefill_ws.py; elsewhere the Triton kernel); ptr / tma: the
+        # Triton kernel's two load paths
+        kernels.PREFILL_WS = None if path == "ws" else False
+        kernels.PREFILL_TMA = path == "tma"
         try:
             o, lse = attention_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                                        return_lse=True, **kw)
         finally:
-            kernels.PREFILL_TMA = None
+            kernels.PREFILL_TMA = kernels.PREFILL_WS = None
         ro, rl = reference.attention_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, **{"causal": True, **kw})
         fin = torch.isfinite(rl)
         err = max(rel_err(o, ro), rel_err(lse[fin], rl[fin]))
@@ -115,14 +118,15 @@ def _checks(dev, small=False):
         ("causal 8/1 d96", [300, 7], [300, 7], 8, 1, 96, 96, bf, {}),
         ("causal 8/2 d256", [700, 129], [700, 129], 8, 2, 256, 256, bf, {}),
         ("causal 16/16 d192/128 (MLA)", [700, 129], [700, 129], 16, 16, 192, 128, bf, {}),
+        ("causal 8/2 d256/128", [700, 129], [700, 129], 8, 2, 256, 128, bf, {}),
+        ("k<q causal 8/8 d128 (rows without keys)", [300, 65], [50, 65], 8, 8, 128, 128, bf, {}),
         ("q<k (chunk) 32/8 d128", [256, 100, 1], [2000, 101, 900], 32, 8, 128, 128, bf, {}),
         ("window(256,0)+softcap50", [1500, 77], [1500, 77], 16, 4, 128, 128, bf, {"window": (256, 0), "softcap": 50.0}),
         ("window(64,64) non-causal", [900], [900], 8, 2, 128, 128, bf, {"causal": False, "window": (64, 64)}),
     ]
-    for tma in (False, True):
+    for path in ("ws", "ptr", "tma"):
         for name, lq, lk, hq, hk, dqk, dv, dt, kw in prefills:
-            cases.append((f"prefill[{'tma' if tma else 'ptr'}] {name}",
-                          lambda a=(lq, lk, hq, hk, dqk, dv, dt, tma, kw): prefill_case(*a)))
+            cases.append((f"prefill[{path}] {name}", lambda a=(lq, lk, hq, hk, dqk, dv, dt, path, kw): prefill_case(*a)))
 
     @case("prefill dense causal vs SDPA (fp32)")
     def _():

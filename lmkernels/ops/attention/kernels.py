@@ -430,6 +430,14 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
     left, right = window
     if causal:
         right = 0
+    if (left < 0 and right <= 0 and softcap <= 0 and max_seqlen_q > 64
+            and _use_ws(q, k, v, block_tables, k_scale, strides, config)):
+        from . import prefill_ws
+
+        _ensure_allocator()
+        prefill_ws.launch(q, k, v, o, lse, cu_q, cu_k, seqlen_q, seqlen_k, max_seqlen_q, batch, strides,
+                          scale * LOG2E, right == 0, cfg["M_BAND"])
+        return o, lse
     fp8 = k_scale is not None
     qk_scale = scale * LOG2E
     cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0 else (0.0, 0.0)
@@ -446,6 +454,35 @@ def _launch_prefill(q, k, v, o, lse, cu_q, cu_k, block_tables, k_scale, v_scale,
         BLOCK_DV=triton.next_power_of_2(dv), INTERPRET=interpreting(), **cfg,
     )
     return o, lse
+
+
+# The warp-specialised Gluon prefill (prefill_ws.py) where it applies: None = wherever prefill_ws.supported allows
+# and no explicit config was given; True/False override it (A/B and gpu_selftest)
+PREFILL_WS = None
+
+
+def _use_ws(q, k, v, block_tables, k_scale, strides, config) -> bool:
+    """Whether a prefill without window or softcap (causal or not) takes the Gluon kernel."""
+    if PREFILL_WS is False or (PREFILL_WS is None and config is not None) or interpreting() or not q.is_cuda:
+        return False
+    from . import prefill_ws
+
+    return (block_tables is None and k_scale is None and prefill_ws.supported(q, k, v)
+            and _tma_ok((q, k, v), (strides[0:3], strides[3:6], strides[6:9])))
+
+
+def prefill_path(q, k, v, max_seqlen_q, causal=True) -> str:
+    """Which kernel and tiles a (non-paged, windowless, softcap-free) prefill of these tensors takes: for benchmark
+    notes."""
+    strides = [x for t in (q, k, v) for x in ((0, *t.stride()[:2]) if t.dim() == 3 else t.stride()[:3])]
+    if max_seqlen_q > 64 and _use_ws(q, k, v, None, None, strides, None):
+        from . import prefill_ws
+
+        block_n, stages = prefill_ws.TILES or prefill_ws.config(q.shape[-1], v.shape[-1], q.element_size())
+        return f"Gluon warp-specialised {prefill_ws.BLOCK_M}x{block_n} s{stages}"
+    cfg = prefill_config(q.shape[-1], v.shape[-1], max_seqlen_q)
+    return (f"Triton {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
+            f"{'tma' if cfg.get('TMA') else 'ptr'}")
 
 
 # query blocks a band of the prefill kernel's launch order where its keys come from DRAM too often (_prefill_kernel)
