@@ -115,8 +115,8 @@ def _attention_cases(big, dev, dt):
     q = torch.randn(sum(lens), hq, d, device=dev, dtype=dt)
     k = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
     v = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
-    for kw in (dict(causal=True), dict(causal=True, window=(63, 0), softcap=30.0)):
-        name = "attention_prefill" + ("(window, softcap)" if "window" in kw else "(causal)")
+    for kw in (dict(causal=True), dict(causal=False), dict(causal=True, window=(63, 0), softcap=30.0)):
+        name = "attention_prefill" + ("(window, softcap)" if "window" in kw else "(causal)" if kw["causal"] else "(full)")
         yield (name, q.shape, lambda kw=kw: attention.attention_prefill(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw),
                lambda kw=kw: ref.attention_varlen(q, k, v, cu, cu, **kw)[0])
     page = 16

@@ -122,24 +122,25 @@ def test_head_dim_blocks():
 def test_warp_specialised_prefill_compiles_for_hopper():
     """The Gluon prefill has no interpreter path (the GPU check, `lmkernels check`, runs it against the reference
     with the Triton kernel's cases): here it must at least build for sm_90 as designed, in a fresh process (Gluon
-    compiles through triton.language, which the interpreter tests patch here). Per warpgroup three sites of
-    score wgmma (tile 0, the unmasked and the masked loop: dqk / 16 instructions each) and three of P · V (the two
-    loops and the last tile: BLOCK_N / 16); one TMA message per 64 columns (Q for two warpgroups, K, V); no
-    mma.sync, no spills, within one SM's shared memory."""
+    compiles through triton.language, which the interpreter tests patch here). Per consumer warpgroup three sites
+    of score wgmma (tile 0, the unmasked and the masked loop: dqk / 16 instructions each) and three of P · V (the
+    two loops and the last tile: BLOCK_N / 16); one TMA message per 64 columns (Q for each warpgroup, K, V); no
+    mma.sync, no spills, within one SM's shared memory. Two and three warpgroups."""
     C = "lmkernels.ops.attention.compile_check"
     shapes = [(192, 128, "bf16", True, True), (128, 128, "fp16", False, False), (64, 64, "bf16", True, True)]
     results = compile_in_fresh_process("[" + ", ".join(f"{C}.prefill_ws{a}" for a in shapes) + "]")
     for (dqk, dv, *_), r in zip(shapes, results):
-        block_n, _ = prefill_ws.config(dqk, dv)
-        assert r["wgmma"] == 2 * 3 * (dqk + block_n) // 16 and r["mma"] == 0, r
-        assert r["tma"] == 3 * dqk // 64 + dv // 64 and r["stack"] == 0 and r["smem_kb"] <= 227, r
+        wgs, block_n, _ = prefill_ws.config(dqk, dv)
+        assert r["wgmma"] == wgs * 3 * (dqk + block_n) // 16 and r["mma"] == 0, r
+        assert r["tma"] == (wgs + 1) * dqk // 64 + dv // 64 and r["stack"] == 0 and r["smem_kb"] <= 227, r
 
 
 def test_warp_specialised_prefill_chosen_on_hopper_only():
-    """The Gluon kernel's tiles (64 keys × 4 stages at q/k dim ≥ 128, 128 × 4 at 64, 2 stages where 4 do not fit);
-    on the CPU (and under the interpreter, and with a config, paged or FP8 keys) the Triton kernel runs."""
+    """The Gluon kernel's warpgroups and tiles (three × 4 stages where they fit, else two × 4, else two × 2; 64-key
+    tiles, 128 at d64); on the CPU (and under the interpreter, and with a config, paged or FP8 keys) the Triton
+    kernel runs."""
     assert [prefill_ws.config(*d) for d in ((64, 64), (128, 128), (192, 128), (256, 128))] == [
-        (128, 4), (64, 4), (64, 4), (64, 2)]
+        (3, 128, 4), (3, 64, 4), (2, 64, 4), (2, 64, 2)]
     q, k, v, *_ = packed([200], [200], 2, 1, 128)
     assert not prefill_ws.supported(q, k, v)
     assert kernels.prefill_path(q, k, v, 200).startswith("Triton 128x128")

@@ -68,19 +68,21 @@ def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, caus
     return compile_kernel(K._prefill_kernel, types, ce, nw, ns)
 
 
-def prefill_ws(dqk=192, dv=128, dtype="bf16", causal=True, varlen=True):
-    """The warp-specialised Gluon prefill (prefill_ws.py) at its config's tiles."""
+def prefill_ws(dqk=192, dv=128, dtype="bf16", causal=True, varlen=True, tiles=None):
+    """The warp-specialised Gluon prefill (prefill_ws.py) at its config's tiles (or tiles: (warpgroups, BLOCK_N,
+    STAGES))."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import prefill_ws as W
 
-    block_n, stages = W.config(dqk, dv)
+    wgs, block_n, stages = tiles or W.config(dqk, dv)
+    maxnreg, consumer_regs = W.REGS[wgs]
     lo, hi = K.head_dim_blocks(dqk)
     types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, o_ptr="*" + dtype, lse_ptr="*fp32",
                  cu_q_ptr="*i32", cu_k_ptr="*i32", qk_scale="fp32")
-    ce = dict(VARLEN=varlen, CAUSAL=causal, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv, DQK_LO=lo, DQK_HI=hi,
-              BLOCK_N=block_n, STAGES=stages, M_BAND=16, CONSUMER_REGS=W.CONSUMER_REGS)
-    return compile_kernel(W._prefill_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
+    ce = dict(VARLEN=varlen, CAUSAL=causal, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv, DQK_LO=lo, DQK_HI=hi, WGS=wgs,
+              BLOCK_N=block_n, STAGES=stages, M_BAND=16, CONSUMER_REGS=consumer_regs)
+    return compile_kernel(W._prefill_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=maxnreg)
 
 
 def decode(d=128, rows=4, cache="bf16", split=True, cfg=None):
@@ -158,8 +160,8 @@ def main(argv=None):
     if which in ("prefill", "ws", "all"):
         for dqk, dv in ((64, 64), (128, 128), (192, 128), (256, 128)):
             for causal in (True, False):
-                block_n, stages = _ws_config(dqk, dv)
-                _show(f"prefill_ws d{dqk}/{dv} 128x{block_n} s{stages} {'causal' if causal else 'full'}",
+                wgs, block_n, stages = _ws_config(dqk, dv)
+                _show(f"prefill_ws d{dqk}/{dv} {64 * wgs}x{block_n} s{stages} {'causal' if causal else 'full'}",
                       prefill_ws(dqk, dv, causal=causal))
     if which in ("paged", "all"):
         for cache in ("bf16", "fp8e4nv"):

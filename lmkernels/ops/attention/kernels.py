@@ -478,8 +478,8 @@ def prefill_path(q, k, v, max_seqlen_q, causal=True) -> str:
     if max_seqlen_q > 64 and _use_ws(q, k, v, None, None, strides, None):
         from . import prefill_ws
 
-        block_n, stages = prefill_ws.TILES or prefill_ws.config(q.shape[-1], v.shape[-1], q.element_size())
-        return f"Gluon warp-specialised {prefill_ws.BLOCK_M}x{block_n} s{stages}"
+        wgs, block_n, stages = prefill_ws.TILES or prefill_ws.config(q.shape[-1], v.shape[-1], q.element_size())
+        return f"Gluon warp-specialised {64 * wgs}x{block_n} s{stages}"
     cfg = prefill_config(q.shape[-1], v.shape[-1], max_seqlen_q)
     return (f"Triton {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
             f"{'tma' if cfg.get('TMA') else 'ptr'}")

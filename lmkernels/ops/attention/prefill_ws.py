@@ -1,23 +1,22 @@
 """Warp-specialised attention prefill on Hopper, written in Gluon (FlashAttention-3's structure).
 
 Why: the Triton prefill kernel (kernels._prefill_kernel) runs each 128-row block as 8 warps that load, score,
-softmax and accumulate in one instruction stream; on the H100 it reaches 0.83–0.88x of cuDNN at head dims
-192/128 and 128 (benchmarks/NOTES.md, issue 6, sessions s–u), and Triton 3.6's own warp specialisation does not
-compile that loop. Here a program (128 query rows of one head and sequence) has three partitions sharing the
-shared memory:
-- a loader warp: Q once, then K and V tiles of BLOCK_N keys through TMA into a ring of STAGES buffers (K and V
-  with a ready barrier each, so the scores start before V lands), in 64-column pieces (one TMA message each)
-  (config: 64-key tiles × 4 stages where they fit);
-- two consumer warpgroups, each owning 64 of the rows, with the intra-warpgroup overlap of FlashAttention-3: the
-  scores of tile j (wgmma from shared memory) and P_{j−1} · V_{j−1} (P from registers) are issued together, the
-  softmax of tile j runs while the tensor cores finish P_{j−1} · V_{j−1}, and only then is o rescaled. A stage
-  goes back to the loader once both warpgroups are past its V.
-Causal masks and the sequence end are applied only on the tiles that cut them (the middle tiles run unmasked);
-rows past a sequence's queries, keys past its end: TMA reads them as zeros, and they are masked or not stored.
-o leaves through the warpgroup's own Q buffer (free after its last scores) so that whole rows are stored in
-16-byte pieces. Outputs and LSE follow kernels._prefill_kernel (dense [B, S, H, D] or packed varlen).
-Scope: 16-bit q/k/v, q/k head dim 64–256 in 64-column pieces, v head dim 64 or 128 (≤ the q/k dim), causal or
-not, no window, softcap, paged or FP8 keys (those stay on the Triton kernel).
+softmax and accumulate in one instruction stream; on the H100 it reached 0.83–0.88x of SDPA cuDNN at head dims
+192/128 and 128 (benchmarks/NOTES.md, sessions s–u), and Triton 3.6's own warp specialisation does not compile that
+loop. Here a program (128 or 192 query rows of one head and sequence) has partitions sharing the shared memory:
+- a loader warp: Q once, then K and V tiles of BLOCK_N keys through TMA into a ring of STAGES buffers (K and V with
+  a ready barrier each, so the scores start before V lands), 64 columns a TMA message;
+- two or three consumer warpgroups of 64 rows each, with FlashAttention-3's intra-warpgroup overlap: the scores of
+  tile j (wgmma from shared memory) and P_{j−1} · V_{j−1} (P from registers) are issued together, the softmax of
+  tile j runs while the tensor cores finish P_{j−1} · V_{j−1}, and only then is o rescaled. A stage goes back to
+  the loader once every warpgroup is past its V. (FA3's ping-pong between warpgroups gained nothing on top.)
+config picks warpgroups, tile and stages. Causal masks and the sequence end are applied only on the tiles that cut
+them (the middle tiles run unmasked); rows past a sequence's queries and keys past its end arrive as zeros from
+TMA and are masked or not stored. o leaves through the warpgroup's own Q buffer (free after its last scores), so
+that whole rows are stored in 16-byte pieces. Outputs and LSE follow kernels._prefill_kernel (dense [B, S, H, D] or
+packed varlen).
+Scope: 16-bit q/k/v, q/k head dim 64, 128, 192 (128 + 64) or 256, v head dim 64 or 128 (≤ q/k's), causal or not;
+windows, softcap, paged and FP8 keys stay on the Triton kernel.
 Compiled kernels only: the interpreter cannot run Gluon, so CPU tests run kernels.py and this kernel is checked
 against the reference on the GPU (`lmkernels check`)."""
 
@@ -30,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .kernels import head_dim_blocks
 
-BLOCK_M = 128  # two consumer warpgroups × 64 rows
-WG_ROWS = gl.constexpr(64)
+WG_ROWS = gl.constexpr(64)  # rows a consumer warpgroup (a program: 2 or 3 of them, config)
 PIECE = gl.constexpr(64)  # columns a TMA message (128 bytes of 16-bit values: the swizzle width)
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -128,7 +126,7 @@ def _consumer(smem, bars, out_args, span, qk_scale, WG: gl.constexpr, CAUSAL: gl
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_s = _stage(q_smem, WG)
+    q_s = q_smem[WG]
     rows = m0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
     pos = rows + (k_len - q_len)  # query i sits at key position i + (k_len − q_len)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -201,7 +199,7 @@ def _load_pieces(desc, row, bar, bufs, HI: gl.constexpr):
 
 @gluon.jit
 def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK: gl.constexpr,
-            DQK_HI: gl.constexpr):
+            DQK_HI: gl.constexpr, WGS: gl.constexpr):
     """Q (both warpgroups' rows) once, then tile t's K and V into stage t % STAGES once both warpgroups have
     released it; rows past q_len / k_len arrive as zeros."""
     q_smem, k_smem, v_smem = smem
@@ -216,9 +214,9 @@ def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars,
     rows = gl.maximum(k_len, 1)  # (no zero-sized descriptor; with no keys no tile is loaded)
     k_desc = tma.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, PIECE], layout)
     v_desc = tma.make_tensor_descriptor(v_base, [rows, DV], [stride_vt, 1], [BLOCK_N, PIECE], layout)
-    mbarrier.expect(q_bar, 2 * WG_ROWS * HEAD_DQK * elem)
-    for w in gl.static_range(2):
-        _load_pieces(q_desc, m0 + w * WG_ROWS, q_bar, _stage(q_smem, w), DQK_HI)
+    mbarrier.expect(q_bar, WGS * WG_ROWS * HEAD_DQK * elem)
+    for w in gl.static_range(WGS):
+        _load_pieces(q_desc, m0 + w * WG_ROWS, q_bar, q_smem[w], DQK_HI)
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # fresh barriers count as released
@@ -229,25 +227,13 @@ def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars,
 
 
 @gluon.jit
-def _consumer_default(smem, bars, out_args, span, qk_scale, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr,
-                      DQK_HI: gl.constexpr):
-    _consumer(smem, bars, out_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)
-
-
-@gluon.jit
-def _consumer_worker(smem, bars, out_args, span, qk_scale, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr,
-                     DQK_HI: gl.constexpr):
-    _consumer(smem, bars, out_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)
-
-
-@gluon.jit
 def _prefill_ws_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_lt, group, qk_scale,
     VARLEN: gl.constexpr, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr, HEAD_DQK: gl.constexpr,
-    HEAD_DV: gl.constexpr, DQK_LO: gl.constexpr, DQK_HI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, M_BAND: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    HEAD_DV: gl.constexpr, DQK_LO: gl.constexpr, DQK_HI: gl.constexpr, WGS: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, M_BAND: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     # launch order as kernels._prefill_kernel: bands of M_BAND query blocks, heaviest first, kv heads grouped
     if M_BAND == 1:
@@ -275,7 +261,7 @@ def _prefill_ws_kernel(
         k_len = seqlen_k
         q_first = b64 * 0
         k_first = b64 * 0
-    m0 = m_block * (2 * WG_ROWS)
+    m0 = m_block * (WGS * WG_ROWS)
     if m0 >= q_len:
         return
     kv_head = head // group
@@ -290,21 +276,28 @@ def _prefill_ws_kernel(
     full = k_len
     if CAUSAL:
         shift = k_len - q_len
-        hi = gl.minimum(k_len, gl.minimum(m0 + 2 * WG_ROWS, q_len) + shift)
+        hi = gl.minimum(k_len, gl.minimum(m0 + WGS * WG_ROWS, q_len) + shift)
         full = gl.minimum(k_len, m0 + shift + 1)
     n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
     n_full = gl.maximum(full, 0) // BLOCK_N
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q/k head dim as DQK_LO + DQK_HI columns (192 = 128 + 64): shared-memory shapes are powers of 2
-    # (without a high part the low buffers stand in for it, unused)
+    # (without a high part the low buffers stand in for it, unused); q: (low, high) views per warpgroup
     q_lo = gl.allocate_shared_memory(dtype, [2, WG_ROWS, DQK_LO], layout)
     k_lo = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK_LO], layout)
-    q_smem = (q_lo, q_lo)
+    q_hi = q_lo
     k_smem = (k_lo, k_lo)
     if DQK_HI > 0:
-        q_smem = (q_lo, gl.allocate_shared_memory(dtype, [2, WG_ROWS, DQK_HI], layout))
+        q_hi = gl.allocate_shared_memory(dtype, [2, WG_ROWS, DQK_HI], layout)
         k_smem = (k_lo, gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK_HI], layout))
+    q_smem = ((q_lo.index(0), q_hi.index(0)), (q_lo.index(1), q_hi.index(1)))
+    if WGS == 3:  # a third warpgroup's rows in buffers of their own (no [3, …] shape)
+        q_lo3 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, DQK_LO], layout)
+        q_hi3 = q_lo3
+        if DQK_HI > 0:
+            q_hi3 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, DQK_HI], layout)
+        q_smem = (q_smem[0], q_smem[1], (q_lo3.index(0), q_hi3.index(0)))
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DV], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -314,34 +307,52 @@ def _prefill_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_k.index(i), count=1)
         mbarrier.init(ready_v.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups
+        mbarrier.init(empty.index(i), count=WGS)  # every consumer warpgroup
     fence_async_shared()
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, ready_k, ready_v, empty)
     span = (m0, q_len, k_len, n_tiles, n_full)
     out_args = (o_base, stride_ot, l_base, stride_lt)
-    gl.warp_specialize([
-        (_consumer_default, (smem, bars, out_args, span, qk_scale, CAUSAL, STORE_LSE, DQK_HI)),
-        (_consumer_worker, (smem, bars, out_args, span, qk_scale, CAUSAL, STORE_LSE, DQK_HI)),
-        (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if WGS == 3:
+        gl.warp_specialize([
+            (_consumer, (smem, bars, out_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, span, qk_scale, 2, CAUSAL, STORE_LSE, DQK_HI)),
+            (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
+                       WGS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (smem, bars, out_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
+            (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
+                       WGS)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # registers: as the MLA Gluon kernel (12 warps × MAXNREG; the loader keeps 24, each consumer warpgroup 240)
-MAXNREG = 168
-CONSUMER_REGS = 240
-TILES = None  # (BLOCK_N, STAGES) instead of config's (A/B)
+# registers by consumer warpgroups: all warps (rounded up to warpgroups) × MAXNREG fill the register file; the loader
+# keeps 24, each consumer warpgroup the rest: 2 → 12 warps × 168, (3 · 168 − 24) / 2 = 240; 3 → 16 × 128, 160
+REGS = {2: (168, 240), 3: (128, 160)}
+TILES = None  # (warpgroups, BLOCK_N, STAGES) instead of config's (A/B)
 SMEM_BYTES = 227 * 1024  # Hopper's shared memory a block may take
 TRITON_VERSIONS = ("3.6",)  # Gluon's API moves between releases: only the triton it was built and checked with
 
 
+def fits(wgs: int, block_n: int, stages: int, dqk: int, dv: int, elem: int = 2) -> bool:
+    return wgs * WG_ROWS * dqk * elem + stages * block_n * (dqk + dv) * elem + 1024 <= SMEM_BYTES
+
+
 def config(dqk: int, dv: int, elem: int = 2):
-    """(BLOCK_N, STAGES), the first that fits the shared memory (stage counts powers of 2, as shared-memory shapes
-    are). H100 (benchmarks/NOTES.md, session u): at q/k dim ≥ 128, 64-key tiles × 4 stages beat 128 × 2 by 4–8%
-    (more tiles in flight; the same at d128 8k causal); at d64 128-key tiles × 4 stages fit and beat them by 11%."""
-    for block_n, stages in (((128, 4),) if dqk <= 64 else ()) + ((64, 4), (64, 2)):
-        if BLOCK_M * dqk * elem + stages * block_n * (dqk + dv) * elem + 1024 <= SMEM_BYTES:
-            return block_n, stages
+    """(consumer warpgroups, BLOCK_N, STAGES): the first that fits the shared memory of three warpgroups × 4 stages,
+    two × 4, two × 2 (stage counts powers of 2, as shared-memory shapes are); 128-key tiles at d64, else 64.
+    H100 (benchmarks/NOTES.md, session u): 4 stages of 64-key tiles beat 2 of 128 by 4–8% at q/k dim ≥ 128 (tiles in
+    flight, not their width); three warpgroups (192 rows a program: 1.5x less K/V read from L2 a FLOP) beat two by
+    7–12% at d64 / d128 where 4 stages still fit, and lose 10–20% at 192/128, where they fit only 2."""
+    block_n = 128 if dqk <= 64 else 64
+    for wgs, stages in ((3, 4), (2, 4), (2, 2)):
+        if fits(wgs, block_n, stages, dqk, dv, elem):
+            return wgs, block_n, stages
     return None
 
 
@@ -360,13 +371,14 @@ def launch(q, k, v, o, lse, cu_q, cu_k, seqlen_q, seqlen_k, max_seqlen_q, batch,
     """As kernels._launch_prefill's launch (strides: q, k, v, o, lse × (batch, token, head)); o/lse written."""
     hq, hk = q.shape[-2], k.shape[-2]
     dqk, dv = q.shape[-1], v.shape[-1]
-    block_n, stages = TILES or config(dqk, dv, q.element_size())
+    wgs, block_n, stages = TILES or config(dqk, dv, q.element_size())
+    maxnreg, consumer_regs = REGS[wgs]
     dqk_lo, dqk_hi = head_dim_blocks(dqk)
-    grid = (hq, triton.cdiv(max_seqlen_q, BLOCK_M), batch)
+    grid = (hq, triton.cdiv(max_seqlen_q, wgs * WG_ROWS), batch)
     return_lse = lse.numel() > 0
     _prefill_ws_kernel[grid](
         q, k, v, o, lse if return_lse else o, cu_q, cu_k, seqlen_q, seqlen_k, *strides, hq // hk, qk_scale,
         VARLEN=cu_q is not None, CAUSAL=causal, STORE_LSE=return_lse, HEAD_DQK=dqk, HEAD_DV=dv,
-        DQK_LO=dqk_lo, DQK_HI=dqk_hi, BLOCK_N=block_n,
-        STAGES=stages, M_BAND=m_band, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
+        DQK_LO=dqk_lo, DQK_HI=dqk_hi, WGS=wgs, BLOCK_N=block_n, STAGES=stages, M_BAND=m_band,
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )
