@@ -358,7 +358,8 @@ def prefill_config(head_dqk: int, head_dv: int, max_seqlen_q: int):
       pointers (session s, 192/128, 128 heads 8k: 472; 3 stages TMA 439, 2 stages TMA 380).
     Short query runs (chunked-prefill tails, ≤ 64 tokens) take 64-row blocks and 4 warps so fewer rows idle.
     `tl.range(..., warp_specialize=True)` does not compile for this loop on sm_90 with triton 3.6 (the
-    Hopper warp-specialisation pass asserts), so there is no warp-specialised variant.
+    Hopper warp-specialisation pass asserts): the warp-specialised kernel is written in Gluon (prefill_ws.py) and
+    takes over on Hopper where it applies (_use_ws).
     """
     width = max(triton.next_power_of_2(head_dqk), triton.next_power_of_2(head_dv))
     if head_dim_blocks(head_dqk)[1] and width == 256 and head_dv <= 128:  # 192 (= 128 + 64) / ≤ 128
@@ -462,7 +463,8 @@ PREFILL_WS = None
 
 
 def _use_ws(q, k, v, block_tables, k_scale, strides, config) -> bool:
-    """Whether a prefill without window or softcap (causal or not) takes the Gluon kernel."""
+    """Whether a prefill without window or softcap (causal or not) takes the Gluon kernel (the caller also keeps
+    query runs of ≤ 64 tokens on the Triton kernel's 64-row blocks: the Gluon kernel's are 128 or 192 rows)."""
     if PREFILL_WS is False or (PREFILL_WS is None and config is not None) or interpreting() or not q.is_cuda:
         return False
     from . import prefill_ws
