@@ -85,7 +85,7 @@ def _scores(q_s, k_s, s_zero, DQK_HI: gl.constexpr):
 
 @gluon.jit
 def _stage(bufs, s):
-    """(low, high) buffers of stage (or warpgroup) s."""
+    """(low, high) K buffers of stage s."""
     lo, hi = bufs
     return lo.index(s), hi.index(s)
 
@@ -200,8 +200,8 @@ def _load_pieces(desc, row, bar, bufs, HI: gl.constexpr):
 @gluon.jit
 def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK: gl.constexpr,
             DQK_HI: gl.constexpr, WGS: gl.constexpr):
-    """Q (both warpgroups' rows) once, then tile t's K and V into stage t % STAGES once both warpgroups have
-    released it; rows past q_len / k_len arrive as zeros."""
+    """Q (every consumer warpgroup's rows) once, then tile t's K and V into stage t % STAGES once every consumer
+    warpgroup has released it; rows past q_len / k_len arrive as zeros."""
     q_smem, k_smem, v_smem = smem
     q_bar, ready_k, ready_v, empty = bars
     m0, q_len, k_len, n_tiles, n_full = span
