@@ -105,7 +105,8 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 
 @gluon.jit
-def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr):
+def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr,
+            LATE_TRIGGER: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
@@ -135,6 +136,8 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_si
             mbarrier.wait(empty.index(2), ph)  # stage 1 own: columns 256–511 (warpgroup 1's P · V)
             for j in gl.static_range(4, 8):
                 _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
+    if LATE_TRIGGER:  # every load issued: the kernel after this one (the merge) may launch
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -332,10 +335,12 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
-        gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
     if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
@@ -386,7 +391,7 @@ def _mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer_default, (ctx, out_args, rows_args, span, qk_scale)),
         (_consumer_worker, (ctx, out_args, rows_args, span, qk_scale)),
-        (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr)),
+        (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr, LATE_TRIGGER)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -414,7 +419,7 @@ def supported(cache):
 
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                  pdl=False):
+                  pdl=False, merge_pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
     [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
     (schedule.py; slots > batch only)."""
@@ -425,5 +430,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}),
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}),
     )
