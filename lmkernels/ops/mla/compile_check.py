@@ -27,8 +27,8 @@ def decode(rows, cache="bf16", split=True, cfg=None):
 
 
 def ws(split=True, dtype="bf16"):
-    """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, as mla_decode gives them on
-    Hopper."""
+    """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, the merge kernel's launch
+    triggered late, as mla_decode gives them on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
@@ -37,7 +37,7 @@ def ws(split=True, dtype="bf16"):
                  o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
                  qk_scale="fp32")
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True)
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 

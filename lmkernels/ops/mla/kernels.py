@@ -497,7 +497,7 @@ def _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA: tl.const
 def _mla_merge_kernel(
     po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows, min_chunks,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
     chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks)), CHUNK_S partial rows
@@ -506,10 +506,7 @@ def _mla_merge_kernel(
     merge reads up to 256 partials × 2 KB per row, and 16 heads alone would leave the GPU nearly idle.
     LONG_ENTRIES > 0 (a power of 2 ≥ the merge list's length): program_id(0) is the rank among the sequences of at
     least min_chunks chunks, not the entry, so that the grid has only as many as there can be (a grid over the whole
-    list cost 9 µs of programs that only returned, H100 session q). USE_PDL: launched with programmatic dependent
-    launch behind the Gluon decode kernel: wait for its partials."""
-    if USE_PDL:
-        gdc_wait()
+    list cost 9 µs of programs that only returned, H100 session q)."""
     if LONG_ENTRIES > 0:
         listed, batch, first, n = _long_entry(sched_ptr, tl.program_id(0), min_chunks, LONG_ENTRIES)
     else:
@@ -585,8 +582,8 @@ def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
                            ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr, USE_PDL: tl.constexpr = False):
     """ROWS whole rows (new token × head) of one sequence (an entry of the merge list, as _mla_merge_kernel), S of
     its chunks' partials at once (all of them in a uniform batch: every load is issued in one round; the one-row
-    kernel walks the chunks in dependent steps), more in further rounds under an online max. USE_PDL: as
-    _mla_merge_kernel."""
+    kernel walks the chunks in dependent steps), more in further rounds under an online max. USE_PDL: launched
+    with programmatic dependent launch behind the Gluon decode kernel: wait for its partials."""
     if USE_PDL:
         gdc_wait()
     listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
@@ -647,7 +644,7 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
-MERGE_PDL = False  # A/B: the merge kernel behind the Gluon kernel launched with PDL, triggered by its loaders' ends
+MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -823,6 +820,11 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # with 16-bit since session j, when the one-row merge was slower on them)
     partial_dtype = q_nope.dtype if fused or ws else torch.float32
     merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
+    # the whole-rows merge behind the Gluon kernel launches with PDL, released once every decode program has issued
+    # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.6 µs; behind the column-
+    # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
+    merge_pdl = (ws and split and pdl and MERGE_PDL
+                 and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     part_o, part_l, sched = o, lse, seq_lens  # not read without splits
     if split:
@@ -837,7 +839,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,
-                      slots, pdl, merge_pdl=split and pdl and MERGE_PDL)
+                      slots, pdl, merge_pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](
@@ -850,8 +852,15 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         )
     if split and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
-                       pdl=ws and split and pdl and MERGE_PDL)
+                       pdl=merge_pdl)
     return o, lse
+
+
+def _rows_merge(all_rows, splits, device, rows_kernel=None, min_chunks=2) -> bool:
+    """Whether merge_partials takes the whole-rows kernel (all_rows = batch × new tokens × heads)."""
+    if rows_kernel is None:
+        rows_kernel = MERGE_ROWS and all_rows >= 2 * sm_count(device) and splits <= MERGE_ROWS_SPLITS
+    return rows_kernel and min_chunks <= 2
 
 
 def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2, pdl=False):
@@ -860,14 +869,12 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
     count) partials per load where there are many rows and few splits (rows_kernel: force either kernel), else one
     row (or a column block of it) per program walking its chunks; the latter in column blocks for min_chunks > 2
     (the long sequences the decode kernel's in-kernel merge left: whole rows there were as slow as that merge,
-    session q)."""
+    session q). pdl: the whole-rows kernel launched with programmatic dependent launch (mla_decode)."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
     entries = merge_entries(batch, part_o.shape[0])
     few_rows = batch * rows < 2 * sm_count(o.device)
-    if rows_kernel is None:
-        rows_kernel = MERGE_ROWS and not few_rows and splits <= MERGE_ROWS_SPLITS
-    if rows_kernel and min_chunks <= 2:
+    if _rows_merge(batch * rows, splits, o.device, rows_kernel, min_chunks):
         S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
@@ -881,5 +888,5 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, USE_PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}))
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=4,
+    )
