@@ -116,7 +116,8 @@ def _attention_cases(big, dev, dt):
     k = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
     v = torch.randn(sum(lens), hk, d, device=dev, dtype=dt)
     for kw in (dict(causal=True), dict(causal=False), dict(causal=True, window=(63, 0), softcap=30.0)):
-        name = "attention_prefill" + ("(window, softcap)" if "window" in kw else "(causal)" if kw["causal"] else "(full)")
+        mask = "window, softcap" if "window" in kw else "causal" if kw["causal"] else "full"
+        name = f"attention_prefill({mask})"
         yield (name, q.shape, lambda kw=kw: attention.attention_prefill(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw),
                lambda kw=kw: ref.attention_varlen(q, k, v, cu, cu, **kw)[0])
     page = 16

@@ -126,7 +126,8 @@ def _checks(dev, small=False):
     ]
     for path in ("ws", "ptr", "tma"):
         for name, lq, lk, hq, hk, dqk, dv, dt, kw in prefills:
-            cases.append((f"prefill[{path}] {name}", lambda a=(lq, lk, hq, hk, dqk, dv, dt, path, kw): prefill_case(*a)))
+            cases.append((f"prefill[{path}] {name}",
+                          lambda a=(lq, lk, hq, hk, dqk, dv, dt, path, kw): prefill_case(*a)))
 
     @case("prefill dense causal vs SDPA (fp32)")
     def _():

@@ -821,7 +821,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     partial_dtype = q_nope.dtype if fused or ws else torch.float32
     merge_rows = cfg.pop("MERGE_ROWS", None)  # tuning knob: which merge kernel (None: merge_partials decides)
     # the whole-rows merge behind the Gluon kernel launches with PDL, released once every decode program has issued
-    # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.6 µs; behind the column-
+    # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.7 µs; behind the column-
     # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
     merge_pdl = (ws and split and pdl and MERGE_PDL
                  and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
