@@ -124,23 +124,26 @@ def test_warp_specialised_prefill_compiles_for_hopper():
     with the Triton kernel's cases): here it must at least build for sm_90 as designed, in a fresh process (Gluon
     compiles through triton.language, which the interpreter tests patch here). Per consumer warpgroup three sites
     of score wgmma (tile 0, the unmasked and the masked loop: dqk / 16 instructions each) and three of P · V (the
-    two loops and the last tile: BLOCK_N / 16); one TMA message per 64 columns (Q for each warpgroup, K, V); no
-    mma.sync, no spills, within one SM's shared memory. Two and three warpgroups."""
+    two loops and the last tile: BLOCK_N / 16); one TMA message per 64 columns (K, V, and Q for each warpgroup but
+    for its high part at 192 = 128 + 64, which the warpgroup loads into registers); no mma.sync, no spills, within
+    one SM's shared memory. Two and three warpgroups."""
     C = "lmkernels.ops.attention.compile_check"
-    shapes = [(192, 128, "bf16", True, True), (128, 128, "fp16", False, False), (64, 64, "bf16", True, True)]
+    shapes = [(192, 128, "bf16", True, True), (128, 128, "fp16", False, False), (64, 64, "bf16", True, True),
+              (256, 128, "bf16", True, True)]
     results = compile_in_fresh_process("[" + ", ".join(f"{C}.prefill_ws{a}" for a in shapes) + "]")
     for (dqk, dv, *_), r in zip(shapes, results):
         wgs, block_n, _ = prefill_ws.config(dqk, dv)
+        q_smem = kernels.head_dim_blocks(dqk)[0]
         assert r["wgmma"] == wgs * 3 * (dqk + block_n) // 16 and r["mma"] == 0, r
-        assert r["tma"] == (wgs + 1) * dqk // 64 + dv // 64 and r["stack"] == 0 and r["smem_kb"] <= 227, r
+        assert r["tma"] == wgs * q_smem // 64 + dqk // 64 + dv // 64 and r["stack"] == 0 and r["smem_kb"] <= 227, r
 
 
 def test_warp_specialised_prefill_chosen_on_hopper_only():
-    """The Gluon kernel's warpgroups and tiles (three × 4 stages where they fit, else two × 4, else two × 2; 64-key
-    tiles, 128 at d64); on the CPU (and under the interpreter, and with a config, paged or FP8 keys) the Triton
+    """The Gluon kernel's warpgroups and tiles (three × 4 stages where they fit, 192/128 included with q's high part
+    in registers, else two × 4, else two × 2; 64-key tiles, 128 at d64); on the CPU (and under the interpreter, and with a config, paged or FP8 keys) the Triton
     kernel runs."""
     assert [prefill_ws.config(*d) for d in ((64, 64), (128, 128), (192, 128), (256, 128))] == [
-        (3, 128, 4), (3, 64, 4), (2, 64, 4), (2, 64, 2)]
+        (3, 128, 4), (3, 64, 4), (3, 64, 4), (2, 64, 2)]
     q, k, v, *_ = packed([200], [200], 2, 1, 128)
     assert not prefill_ws.supported(q, k, v)
     assert kernels.prefill_path(q, k, v, 200).startswith("Triton 128x128")

@@ -4,8 +4,9 @@ Why: the Triton prefill kernel (kernels._prefill_kernel) runs each 128-row block
 softmax and accumulate in one instruction stream; on the H100 it reached 0.83–0.88x of SDPA cuDNN at head dims
 192/128 and 128 (benchmarks/NOTES.md, sessions s–u), and Triton 3.6's own warp specialisation does not compile that
 loop. Here a program (128 or 192 query rows of one head and sequence) has partitions sharing the shared memory:
-- a loader warp: Q once, then K and V tiles of BLOCK_N keys through TMA into a ring of STAGES buffers (K and V with
-  a ready barrier each, so the scores start before V lands), 64 columns a TMA message;
+- a loader warp: Q once (at 192 = 128 + 64 its first 128 columns; the consumers hold the rest in registers), then
+  K and V tiles of BLOCK_N keys through TMA into a ring of STAGES buffers (K and V with a ready barrier each, so the
+  scores start before V lands), 64 columns a TMA message;
 - two or three consumer warpgroups of 64 rows each, with FlashAttention-3's intra-warpgroup overlap: the scores of
   tile j (wgmma from shared memory) and P_{j−1} · V_{j−1} (P from registers) are issued together, the softmax of
   tile j runs while the tensor cores finish P_{j−1} · V_{j−1}, and only then is o rescaled. A stage goes back to
@@ -68,7 +69,8 @@ def _softmax(sc, m_i, l_i, n0, pos, offs_n, k_len, qk_scale, MASK: gl.constexpr,
 @gluon.jit
 def _scores(q_s, k_s, s_zero, DQK_HI: gl.constexpr):
     """Issue S = q · kᵀ (async), one wgmma a 64-column piece; q_s, k_s: (low, high) parts of the head dim (the high
-    part DQK_HI columns, none where the dim is a power of 2: shared-memory shapes must be)."""
+    part DQK_HI columns, none where the dim is a power of 2: shared-memory shapes must be; q's high part is a
+    register operand, _q_hi)."""
     q_lo, q_hi = q_s
     k_lo, k_hi = k_s
     sc = warpgroup_mma(q_lo.slice(0, PIECE, dim=1), k_lo.slice(0, PIECE, dim=1).permute((1, 0)), s_zero,
@@ -77,10 +79,19 @@ def _scores(q_s, k_s, s_zero, DQK_HI: gl.constexpr):
         sc = warpgroup_mma(q_lo.slice(j * PIECE, PIECE, dim=1), k_lo.slice(j * PIECE, PIECE, dim=1).permute((1, 0)),
                            sc, is_async=True)
     if DQK_HI > 0:
-        for j in gl.static_range(DQK_HI // PIECE):
-            sc = warpgroup_mma(q_hi.slice(j * PIECE, PIECE, dim=1),
-                               k_hi.slice(j * PIECE, PIECE, dim=1).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_hi, k_hi.permute((1, 0)), sc, is_async=True)
     return sc
+
+
+@gluon.jit
+def _q_hi(q_args, rows, q_len, DQK_LO: gl.constexpr, DQK_HI: gl.constexpr, layout: gl.constexpr):
+    """This warpgroup's q columns [DQK_LO, +DQK_HI) as the scores' register operand (rows past q_len 0), loaded
+    once: with them out of shared memory three warpgroups × 4 stages fit at 192/128 (209 KB; H100, session v:
+    +4–10% over two warpgroups with q all in shared memory)."""
+    q_base, stride_qt = q_args
+    r = gl.convert_layout(rows, gl.SliceLayout(1, layout)).to(gl.int64)
+    cols = DQK_LO + gl.arange(0, DQK_HI, layout=gl.SliceLayout(0, layout))
+    return gl.load(q_base + r[:, None] * stride_qt + cols[None, :], mask=(r < q_len)[:, None], other=0.0)
 
 
 @gluon.jit
@@ -111,7 +122,7 @@ def _step(j, q_s, k_smem, v_smem, ready_k, ready_v, empty, acc, p, m_i, l_i, s_z
 
 
 @gluon.jit
-def _consumer(smem, bars, out_args, span, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+def _consumer(smem, bars, out_args, q_args, span, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
               STORE_LSE: gl.constexpr, DQK_HI: gl.constexpr):
     """Warpgroup WG: rows m0 + 64 WG + [0, 64) of the block, over the block's key tiles (n_full unmasked first)."""
     q_smem, k_smem, v_smem = smem
@@ -128,6 +139,9 @@ def _consumer(smem, bars, out_args, span, qk_scale, WG: gl.constexpr, CAUSAL: gl
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_s = q_smem[WG]
     rows = m0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
+    if DQK_HI > 0:
+        q_s = (q_s[0], _q_hi(q_args, rows, q_len, q_s[0].shape[1], DQK_HI,
+                             gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)))
     pos = rows + (k_len - q_len)  # query i sits at key position i + (k_len − q_len)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
@@ -214,9 +228,9 @@ def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars,
     rows = gl.maximum(k_len, 1)  # (no zero-sized descriptor; with no keys no tile is loaded)
     k_desc = tma.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, PIECE], layout)
     v_desc = tma.make_tensor_descriptor(v_base, [rows, DV], [stride_vt, 1], [BLOCK_N, PIECE], layout)
-    mbarrier.expect(q_bar, WGS * WG_ROWS * HEAD_DQK * elem)
+    mbarrier.expect(q_bar, WGS * WG_ROWS * (HEAD_DQK - DQK_HI) * elem)  # (q's high part: the consumers, _q_hi)
     for w in gl.static_range(WGS):
-        _load_pieces(q_desc, m0 + w * WG_ROWS, q_bar, q_smem[w], DQK_HI)
+        _load_pieces(q_desc, m0 + w * WG_ROWS, q_bar, q_smem[w], 0)
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # fresh barriers count as released
@@ -283,21 +297,17 @@ def _prefill_ws_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q/k head dim as DQK_LO + DQK_HI columns (192 = 128 + 64): shared-memory shapes are powers of 2
-    # (without a high part the low buffers stand in for it, unused); q: (low, high) views per warpgroup
+    # (without a high part the low buffers stand in for it, unused); q: its low part per warpgroup, in (low, high)
+    # pairs whose high place the consumer fills with its registers (_q_hi)
     q_lo = gl.allocate_shared_memory(dtype, [2, WG_ROWS, DQK_LO], layout)
     k_lo = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK_LO], layout)
-    q_hi = q_lo
     k_smem = (k_lo, k_lo)
     if DQK_HI > 0:
-        q_hi = gl.allocate_shared_memory(dtype, [2, WG_ROWS, DQK_HI], layout)
         k_smem = (k_lo, gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK_HI], layout))
-    q_smem = ((q_lo.index(0), q_hi.index(0)), (q_lo.index(1), q_hi.index(1)))
-    if WGS == 3:  # a third warpgroup's rows in buffers of their own (no [3, …] shape)
+    q_smem = ((q_lo.index(0), q_lo.index(0)), (q_lo.index(1), q_lo.index(1)))
+    if WGS == 3:  # a third warpgroup's rows in a buffer of its own (no [3, …] shape)
         q_lo3 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, DQK_LO], layout)
-        q_hi3 = q_lo3
-        if DQK_HI > 0:
-            q_hi3 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, DQK_HI], layout)
-        q_smem = (q_smem[0], q_smem[1], (q_lo3.index(0), q_hi3.index(0)))
+        q_smem = (q_smem[0], q_smem[1], (q_lo3.index(0), q_lo3.index(0)))
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DV], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -313,18 +323,19 @@ def _prefill_ws_kernel(
     bars = (q_bar, ready_k, ready_v, empty)
     span = (m0, q_len, k_len, n_tiles, n_full)
     out_args = (o_base, stride_ot, l_base, stride_lt)
+    q_args = (q_base, stride_qt)
     if WGS == 3:
         gl.warp_specialize([
-            (_consumer, (smem, bars, out_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
-            (_consumer, (smem, bars, out_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
-            (_consumer, (smem, bars, out_args, span, qk_scale, 2, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 2, CAUSAL, STORE_LSE, DQK_HI)),
             (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
                        WGS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (smem, bars, out_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
-            (_consumer, (smem, bars, out_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
+            (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
             (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
                        WGS)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -340,7 +351,8 @@ TRITON_VERSIONS = ("3.6",)  # Gluon's API moves between releases: only the trito
 
 
 def fits(wgs: int, block_n: int, stages: int, dqk: int, dv: int, elem: int = 2) -> bool:
-    return wgs * WG_ROWS * dqk * elem + stages * block_n * (dqk + dv) * elem + 1024 <= SMEM_BYTES
+    q_dim = head_dim_blocks(dqk)[0]  # (q's high part in registers)
+    return wgs * WG_ROWS * q_dim * elem + stages * block_n * (dqk + dv) * elem + 1024 <= SMEM_BYTES
 
 
 def config(dqk: int, dv: int, elem: int = 2):
@@ -348,7 +360,8 @@ def config(dqk: int, dv: int, elem: int = 2):
     two × 4, two × 2 (stage counts powers of 2, as shared-memory shapes are); 128-key tiles at d64, else 64.
     H100 (benchmarks/NOTES.md, session u): 4 stages of 64-key tiles beat 2 of 128 by 4–8% at q/k dim ≥ 128 (tiles in
     flight, not their width); three warpgroups (192 rows a program: 1.5x less K/V read from L2 a FLOP) beat two by
-    7–12% at d64 / d128 where 4 stages still fit, and lose 10–20% at 192/128, where they fit only 2."""
+    7–12% at d64 / d128 where 4 stages still fit, and lose 10–20% where they fit only 2 (192/128 with q all in shared
+    memory; with q's high part in registers they fit 4 stages there: +4–10% at 8k and 4k, session v)."""
     block_n = 128 if dqk <= 64 else 64
     for wgs, stages in ((3, 4), (2, 4), (2, 2)):
         if fits(wgs, block_n, stages, dqk, dv, elem):
