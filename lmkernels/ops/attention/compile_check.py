@@ -78,8 +78,8 @@ def prefill_ws(dqk=192, dv=128, dtype="bf16", causal=True, varlen=True, tiles=No
     wgs, block_n, stages = tiles or W.config(dqk, dv)
     maxnreg, consumer_regs = W.REGS[wgs]
     lo, hi = K.head_dim_blocks(dqk)
-    types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, o_ptr="*" + dtype, lse_ptr="*fp32",
-                 cu_q_ptr="*i32", cu_k_ptr="*i32", qk_scale="fp32")
+    types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, qh_ptr="*" + dtype, kh_ptr="*" + dtype,
+                 o_ptr="*" + dtype, lse_ptr="*fp32", cu_q_ptr="*i32", cu_k_ptr="*i32", qk_scale="fp32")
     ce = dict(VARLEN=varlen, CAUSAL=causal, STORE_LSE=True, HEAD_DQK=dqk, HEAD_DV=dv, DQK_LO=lo, DQK_HI=hi, WGS=wgs,
               BLOCK_N=block_n, STAGES=stages, M_BAND=16, CONSUMER_REGS=consumer_regs)
     return compile_kernel(W._prefill_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=maxnreg)

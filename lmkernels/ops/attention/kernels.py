@@ -540,6 +540,35 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, wi
                            max_seqlen_q, batch, strides, (0, 0, 0, 1), scale, causal, window, softcap, config)
 
 
+def prefill_split_qk(q_lo, q_hi, k_lo, k_hi, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal):
+    """Packed varlen prefill → (o [Tq, Hq, Dv], lse [Hq, Tq]) of q = [q_lo | q_hi] against k = [k_lo | k_hi], each
+    part a tensor of its own (MLA prefill: q_nope | q_pe and k_nope | k_pe, k_pe shared by the heads with head
+    stride 0), so that neither q nor k is concatenated: the Gluon kernel reads the parts where they lie. None where
+    that kernel does not take them (not Hopper, a head dim other than a power of 2 plus half of it, query runs ≤ 64,
+    parts TMA cannot read): the caller concatenates and calls attention_prefill. The caller checks the arguments."""
+    dqk = q_lo.shape[-1] + q_hi.shape[-1]
+    if (PREFILL_WS is False or interpreting() or not q_lo.is_cuda or max_seqlen_q <= 64 or q_lo.numel() == 0
+            or head_dim_blocks(dqk) != (q_lo.shape[-1], q_hi.shape[-1])):
+        return None
+    from . import prefill_ws
+
+    batch = cu_seqlens_q.shape[0] - 1
+    n_q, hq, _ = q_lo.shape
+    parts = (q_lo, k_lo, k_hi, v)
+    part_strides = [(0, *t.stride()[:2]) for t in parts]
+    if not (prefill_ws.supported(q_lo, k_lo, v, dqk) and q_hi.dtype == k_hi.dtype == q_lo.dtype
+            and _tma_ok(parts, part_strides)):
+        return None
+    o = torch.empty(n_q, hq, v.shape[2], dtype=q_lo.dtype, device=q_lo.device)
+    lse = torch.empty(hq, n_q, dtype=torch.float32, device=q_lo.device)
+    strides = (*part_strides[0], *part_strides[1], *part_strides[3], 0, *o.stride()[:2], 0, *lse.stride())
+    m_band = prefill_m_band(k_lo.shape[1], max_seqlen_q, dqk + v.shape[2], q_lo.element_size(), q_lo.device)
+    _ensure_allocator()
+    prefill_ws.launch(q_lo, k_lo, v, o, lse, cu_seqlens_q, cu_seqlens_k, 0, 0, max_seqlen_q, batch, strides,
+                      scale * LOG2E, causal, m_band, q_hi=q_hi, k_hi=k_hi)
+    return o, lse
+
+
 def prefill_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale, causal, window,
                   softcap, k_scale, v_scale, return_lse, config=None):
     """q [Tq, Hq, Dqk] packed new tokens; keys: the first seq_lens[b] tokens of the paged caches."""

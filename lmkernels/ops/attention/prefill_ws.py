@@ -84,13 +84,13 @@ def _scores(q_s, k_s, s_zero, DQK_HI: gl.constexpr):
 
 
 @gluon.jit
-def _q_hi(q_args, rows, q_len, DQK_LO: gl.constexpr, DQK_HI: gl.constexpr, layout: gl.constexpr):
-    """This warpgroup's q columns [DQK_LO, +DQK_HI) as the scores' register operand (rows past q_len 0), loaded
-    once: with them out of shared memory three warpgroups × 4 stages fit at 192/128 (209 KB; H100, session v:
-    +4–10% over two warpgroups with q all in shared memory)."""
+def _q_hi(q_args, rows, q_len, DQK_HI: gl.constexpr, layout: gl.constexpr):
+    """This warpgroup's rows of q's high part (q_args: its base and token stride) as the scores' register operand
+    (rows past q_len 0), loaded once: with them out of shared memory three warpgroups × 4 stages fit at 192/128
+    (209 KB; H100, session v: +4–10% over two warpgroups with q all in shared memory)."""
     q_base, stride_qt = q_args
     r = gl.convert_layout(rows, gl.SliceLayout(1, layout)).to(gl.int64)
-    cols = DQK_LO + gl.arange(0, DQK_HI, layout=gl.SliceLayout(0, layout))
+    cols = gl.arange(0, DQK_HI, layout=gl.SliceLayout(0, layout))
     return gl.load(q_base + r[:, None] * stride_qt + cols[None, :], mask=(r < q_len)[:, None], other=0.0)
 
 
@@ -140,7 +140,7 @@ def _consumer(smem, bars, out_args, q_args, span, qk_scale, WG: gl.constexpr, CA
     q_s = q_smem[WG]
     rows = m0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
     if DQK_HI > 0:
-        q_s = (q_s[0], _q_hi(q_args, rows, q_len, q_s[0].shape[1], DQK_HI,
+        q_s = (q_s[0], _q_hi(q_args, rows, q_len, DQK_HI,
                              gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)))
     pos = rows + (k_len - q_len)  # query i sits at key position i + (k_len − q_len)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -200,22 +200,23 @@ def _epilogue(acc, m_i, l_i, buf, out_args, rows, q_len, STORE_LSE: gl.constexpr
 
 
 @gluon.jit
-def _load_pieces(desc, row, bar, bufs, HI: gl.constexpr):
-    """Rows [row, +box) of the head dim, 64 columns a TMA message, into the (low, high: HI columns) buffers."""
+def _load_pieces(descs, row, bar, bufs, HI: gl.constexpr):
+    """Rows [row, +box) of the (low, high: HI columns) parts of the head dim, 64 columns a TMA message, from the
+    (low, high) descriptors into the (low, high) buffers."""
     lo, hi = bufs
     for j in gl.static_range(lo.shape[1] // PIECE):
-        tma.async_copy_global_to_shared(desc, [row, j * PIECE], bar, lo.slice(j * PIECE, PIECE, dim=1))
+        tma.async_copy_global_to_shared(descs[0], [row, j * PIECE], bar, lo.slice(j * PIECE, PIECE, dim=1))
     if HI > 0:
         for j in gl.static_range(HI // PIECE):
-            tma.async_copy_global_to_shared(desc, [row, lo.shape[1] + j * PIECE], bar, hi.slice(j * PIECE, PIECE,
-                                                                                                 dim=1))
+            tma.async_copy_global_to_shared(descs[1], [row, j * PIECE], bar, hi.slice(j * PIECE, PIECE, dim=1))
 
 
 @gluon.jit
-def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK: gl.constexpr,
-            DQK_HI: gl.constexpr, WGS: gl.constexpr):
-    """Q (every consumer warpgroup's rows) once, then tile t's K and V into stage t % STAGES once every consumer
-    warpgroup has released it; rows past q_len / k_len arrive as zeros."""
+def _loader(q_base, k_base, kh_base, v_base, stride_qt, stride_kt, stride_kht, stride_vt, smem, bars, span,
+            HEAD_DQK: gl.constexpr, DQK_HI: gl.constexpr, WGS: gl.constexpr):
+    """Q's low part (every consumer warpgroup's rows) once, then tile t's K (low part from k_base, high part from
+    kh_base) and V into stage t % STAGES once every consumer warpgroup has released it; rows past q_len / k_len
+    arrive as zeros."""
     q_smem, k_smem, v_smem = smem
     q_bar, ready_k, ready_v, empty = bars
     m0, q_len, k_len, n_tiles, n_full = span
@@ -224,26 +225,32 @@ def _loader(q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars,
     DV: gl.constexpr = v_smem.shape[2]
     elem: gl.constexpr = q_base.dtype.element_ty.primitive_bitwidth // 8
     layout: gl.constexpr = v_smem.layout
-    q_desc = tma.make_tensor_descriptor(q_base, [q_len, HEAD_DQK], [stride_qt, 1], [WG_ROWS, PIECE], layout)
+    DQK_LO: gl.constexpr = HEAD_DQK - DQK_HI
+    q_desc = tma.make_tensor_descriptor(q_base, [q_len, DQK_LO], [stride_qt, 1], [WG_ROWS, PIECE], layout)
     rows = gl.maximum(k_len, 1)  # (no zero-sized descriptor; with no keys no tile is loaded)
-    k_desc = tma.make_tensor_descriptor(k_base, [rows, HEAD_DQK], [stride_kt, 1], [BLOCK_N, PIECE], layout)
+    k_desc = tma.make_tensor_descriptor(k_base, [rows, DQK_LO], [stride_kt, 1], [BLOCK_N, PIECE], layout)
+    k_descs = (k_desc, k_desc)
+    if DQK_HI > 0:
+        k_descs = (k_desc, tma.make_tensor_descriptor(kh_base, [rows, DQK_HI], [stride_kht, 1], [BLOCK_N, PIECE],
+                                                      layout))
     v_desc = tma.make_tensor_descriptor(v_base, [rows, DV], [stride_vt, 1], [BLOCK_N, PIECE], layout)
     mbarrier.expect(q_bar, WGS * WG_ROWS * (HEAD_DQK - DQK_HI) * elem)  # (q's high part: the consumers, _q_hi)
     for w in gl.static_range(WGS):
-        _load_pieces(q_desc, m0 + w * WG_ROWS, q_bar, q_smem[w], 0)
+        _load_pieces((q_desc, q_desc), m0 + w * WG_ROWS, q_bar, q_smem[w], 0)
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # fresh barriers count as released
         mbarrier.expect(ready_k.index(s), BLOCK_N * HEAD_DQK * elem)
-        _load_pieces(k_desc, t * BLOCK_N, ready_k.index(s), _stage(k_smem, s), DQK_HI)
+        _load_pieces(k_descs, t * BLOCK_N, ready_k.index(s), _stage(k_smem, s), DQK_HI)
         mbarrier.expect(ready_v.index(s), BLOCK_N * DV * elem)
-        _load_pieces(v_desc, t * BLOCK_N, ready_v.index(s), (v_smem.index(s), v_smem.index(s)), 0)
+        _load_pieces((v_desc, v_desc), t * BLOCK_N, ready_v.index(s), (v_smem.index(s), v_smem.index(s)), 0)
 
 
 @gluon.jit
 def _prefill_ws_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+    q_ptr, k_ptr, v_ptr, qh_ptr, kh_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_qhb, stride_qht, stride_qhh, stride_khb, stride_kht, stride_khh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_lt, group, qk_scale,
     VARLEN: gl.constexpr, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr, HEAD_DQK: gl.constexpr,
     HEAD_DV: gl.constexpr, DQK_LO: gl.constexpr, DQK_HI: gl.constexpr, WGS: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -282,6 +289,8 @@ def _prefill_ws_kernel(
     q_base = q_ptr + b64 * stride_qb + q_first * stride_qt + head * stride_qh
     k_base = k_ptr + b64 * stride_kb + k_first * stride_kt + kv_head * stride_kh
     v_base = v_ptr + b64 * stride_vb + k_first * stride_vt + kv_head * stride_vh
+    qh_base = qh_ptr + b64 * stride_qhb + q_first * stride_qht + head * stride_qhh  # q's, k's high parts
+    kh_base = kh_ptr + b64 * stride_khb + k_first * stride_kht + kv_head * stride_khh
     o_base = o_ptr + b64 * stride_ob + q_first * stride_ot + head * stride_oh
     l_base = lse_ptr + b64 * stride_lb + head * stride_lh + q_first * stride_lt
     # key tiles of the block: all up to the last row's position (causal) or k_len; unmasked: those before the first
@@ -323,21 +332,21 @@ def _prefill_ws_kernel(
     bars = (q_bar, ready_k, ready_v, empty)
     span = (m0, q_len, k_len, n_tiles, n_full)
     out_args = (o_base, stride_ot, l_base, stride_lt)
-    q_args = (q_base, stride_qt)
+    q_args = (qh_base, stride_qht)
     if WGS == 3:
         gl.warp_specialize([
             (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
             (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
             (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 2, CAUSAL, STORE_LSE, DQK_HI)),
-            (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
-                       WGS)),
+            (_loader, (q_base, k_base, kh_base, v_base, stride_qt, stride_kt, stride_kht, stride_vt, smem, bars, span,
+                       HEAD_DQK, DQK_HI, WGS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 0, CAUSAL, STORE_LSE, DQK_HI)),
             (_consumer, (smem, bars, out_args, q_args, span, qk_scale, 1, CAUSAL, STORE_LSE, DQK_HI)),
-            (_loader, (q_base, k_base, v_base, stride_qt, stride_kt, stride_vt, smem, bars, span, HEAD_DQK, DQK_HI,
-                       WGS)),
+            (_loader, (q_base, k_base, kh_base, v_base, stride_qt, stride_kt, stride_kht, stride_vt, smem, bars, span,
+                       HEAD_DQK, DQK_HI, WGS)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -369,28 +378,35 @@ def config(dqk: int, dv: int, elem: int = 2):
     return None
 
 
-def supported(q, k, v) -> bool:
+def supported(q, k, v, dqk=None) -> bool:
     """Hopper, the checked triton, 16-bit q/k/v of one dtype (packed or dense keys: the caller rules out paged and
     FP8 ones, windows and softcap, and checks TMA alignment), q/k head dim 64, 128, 192 (128 + 64) or 256, v head
-    dim 64 or 128 (≤ q/k's)."""
-    dqk, dv = q.shape[-1], v.shape[-1]
+    dim 64 or 128 (≤ q/k's). dqk: q's and k's head dim where they hold only its low part (launch's q_hi, k_hi)."""
+    dqk, dv = dqk or q.shape[-1], v.shape[-1]
     return (q.is_cuda and triton.__version__.startswith(TRITON_VERSIONS)
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and dqk in (64, 128, 192, 256) and dv in (64, 128) and dv <= dqk)
 
 
-def launch(q, k, v, o, lse, cu_q, cu_k, seqlen_q, seqlen_k, max_seqlen_q, batch, strides, qk_scale, causal, m_band):
-    """As kernels._launch_prefill's launch (strides: q, k, v, o, lse × (batch, token, head)); o/lse written."""
+def launch(q, k, v, o, lse, cu_q, cu_k, seqlen_q, seqlen_k, max_seqlen_q, batch, strides, qk_scale, causal, m_band,
+           q_hi=None, k_hi=None):
+    """As kernels._launch_prefill's launch (strides: q, k, v, o, lse × (batch, token, head)); o/lse written.
+    q_hi, k_hi: the high parts of q's and k's head dim (192 = 128 + 64) as tensors of their own, q and k then holding
+    the low parts (kernels.prefill_split_qk); None: the high columns of q and k."""
     hq, hk = q.shape[-2], k.shape[-2]
-    dqk, dv = q.shape[-1], v.shape[-1]
+    dqk, dv = q.shape[-1] + (0 if q_hi is None else q_hi.shape[-1]), v.shape[-1]
     wgs, block_n, stages = TILES or config(dqk, dv, q.element_size())
     maxnreg, consumer_regs = REGS[wgs]
     dqk_lo, dqk_hi = head_dim_blocks(dqk)
+    if q_hi is None:  # (views past the low part; empty and never read where there is no high part)
+        q_hi, k_hi = q[..., dqk_lo:], k[..., dqk_lo:]
+    hi_strides = [x for t in (q_hi, k_hi) for x in ((0, *t.stride()[:2]) if t.dim() == 3 else t.stride()[:3])]
     grid = (hq, triton.cdiv(max_seqlen_q, wgs * WG_ROWS), batch)
     return_lse = lse.numel() > 0
     _prefill_ws_kernel[grid](
-        q, k, v, o, lse if return_lse else o, cu_q, cu_k, seqlen_q, seqlen_k, *strides, hq // hk, qk_scale,
+        q, k, v, q_hi, k_hi, o, lse if return_lse else o, cu_q, cu_k, seqlen_q, seqlen_k, *strides[:9], *hi_strides,
+        *strides[9:], hq // hk, qk_scale,
         VARLEN=cu_q is not None, CAUSAL=causal, STORE_LSE=return_lse, HEAD_DQK=dqk, HEAD_DV=dv,
         DQK_LO=dqk_lo, DQK_HI=dqk_hi, WGS=wgs, BLOCK_N=block_n, STAGES=stages, M_BAND=m_band,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,

@@ -2,7 +2,8 @@
 family's prefill kernel (q/k dim nope + 64, v dim v_head_dim), after up-projecting the latents:
     k_nope = c_kv · W_UKᵀ,  v = c_kv · W_UVᵀ,  k = [k_nope | k_pe] (k_pe shared by all heads).
 The new tokens (causal among themselves) and the cached prefix (all visible, in chunks of chunk_size
-tokens to bound the up-projected workspace) give partial (o, lse) that merge_attention_states combines.
+tokens to bound the up-projected workspace) give partial (o, lse) that merge_attention_states combines. On Hopper
+the attention reads q = [q_nope | q_pe] and k = [k_nope | k_pe] where the parts lie (no concatenated copies).
 Which cache rows each pass gathers depends on the lengths, so it is worked out on the host: mla_prefill_plan reads the
 lengths and the page table once (one host sync), checks them, and sends the passes' cache rows over in one transfer;
 a model's layers share that plan within a step, so that their mla_prefill calls only enqueue kernels. Decode never
@@ -104,12 +105,28 @@ def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_
 
 
 def _keys_values(latents, w_uk, w_uv):
-    """Up-projection: latent rows [N, 576] → k [N, H, nope + 64], v [N, H, v_dim] (contiguous)."""
+    """Up-projection: latent rows [N, 576] → k_nope [N, H, nope], k_pe [N, H, 64] (the rows' own, broadcast over
+    the heads: head stride 0), v [N, H, v_dim]."""
     c, pe = latents[:, :KV_LORA_RANK], latents[:, KV_LORA_RANK:]
     k_nope = torch.einsum("nd,hkd->nhk", c, w_uk)
-    v = torch.einsum("nd,hvd->nhv", c, w_uv).contiguous()
-    k = torch.cat((k_nope, pe[:, None, :].expand(-1, k_nope.shape[1], -1)), dim=-1).contiguous()
-    return k, v
+    return k_nope, pe[:, None, :].expand(-1, k_nope.shape[1], -1), torch.einsum("nd,hvd->nhv", c, w_uv)
+
+
+def _attention(q_nope, q_pe, k_nope, k_pe, v, q, cu_q, cu_k, max_q, scale, causal):
+    """One pass's (o, lse [H, T]) and q = [q_nope | q_pe] (made here the first time a pass needs it whole). On
+    Hopper the Gluon prefill reads q_nope | q_pe and k_nope | k_pe where they lie (kernels.prefill_split_qk); else
+    q and k are concatenated for attention_prefill."""
+    if q_nope.is_cuda:
+        from ..attention import kernels  # (late: TRITON_INTERPRET may still be set by the caller)
+
+        out = kernels.prefill_split_qk(q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k, max_q, scale, causal)
+        if out is not None:
+            return out, q
+    if q is None:
+        q = torch.cat((q_nope, q_pe), dim=-1).contiguous()
+    k = torch.cat((k_nope, k_pe), dim=-1).contiguous()
+    return attention_prefill(q, k, v.contiguous(), causal=causal, scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max_q, return_lse=True), q
 
 
 def mla_prefill(
@@ -168,15 +185,14 @@ def mla_prefill(
     dt = q_nope.dtype
     w = w_kv_b.view(heads, nope + v_dim, KV_LORA_RANK)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q = torch.cat((q_nope, q_pe), dim=-1).contiguous()
+    q = None
     latents = latent_cache.view(-1, latent_cache.shape[-1])
     scales = None if cache_scales is None else cache_scales.view(-1, cache_scales.shape[-1])
     o = lse = None
     for i, (rows, cu_k) in enumerate(plan.passes):  # the new tokens (causal among themselves), then prefix chunks
         gathered = latents[rows] if scales is None else dequantize_rows(latents[rows], scales[rows])
-        k, v = _keys_values(gathered.to(dt), w_uk, w_uv)
-        o_i, lse_i = attention_prefill(q, k, v, causal=i == 0, scale=scale, cu_seqlens_q=plan.cu_q, cu_seqlens_k=cu_k,
-                                       max_seqlen_q=plan.max_q, return_lse=True)
+        (o_i, lse_i), q = _attention(q_nope, q_pe, *_keys_values(gathered.to(dt), w_uk, w_uv), q, plan.cu_q, cu_k,
+                                     plan.max_q, scale, i == 0)
         lse_i = lse_i.transpose(0, 1)  # [T, H]
         o, lse = (o_i, lse_i) if i == 0 else merge_attention_states(o, lse, o_i, lse_i)
     return o
