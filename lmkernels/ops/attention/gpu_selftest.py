@@ -525,7 +525,10 @@ def main(argv=None) -> int:
     if args.cpu_dry_run:
         import os
 
-        os.environ["TRITON_INTERPRET"] = "1"  # before kernels.py (and so triton's jit) is first imported
+        if os.environ.get("TRITON_INTERPRET") != "1":  # the package has imported the kernels (and triton's jit)
+            # already: run again in a process that has the interpreter from its start
+            os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *(sys.argv[1:] if argv is None else argv)],
+                      {**os.environ, "TRITON_INTERPRET": "1"})
         return 1 if run_checks(torch.device("cpu"), small=True) else 0
     if not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-dry-run, or the CPU tests (pytest tests/ops/test_attention*.py)")
