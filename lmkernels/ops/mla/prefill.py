@@ -104,12 +104,13 @@ def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_
                           tuple(zip(packed[:n_rows].split([r.size for r in rows]), cu_dev[:-1])))
 
 
-def _keys_values(latents, w_uk, w_uv):
+def _keys_values(latents, w_kv_b, heads, nope):
     """Up-projection: latent rows [N, 576] → k_nope [N, H, nope], k_pe [N, H, 64] (the rows' own, broadcast over
-    the heads: head stride 0), v [N, H, v_dim]."""
+    the heads: head stride 0), v [N, H, v_dim]: one GEMM against w_kv_b as it lies ([k_nope | v] per head, views of
+    its output; einsums over W_UK and W_UV copied their strided slices first)."""
     c, pe = latents[:, :KV_LORA_RANK], latents[:, KV_LORA_RANK:]
-    k_nope = torch.einsum("nd,hkd->nhk", c, w_uk)
-    return k_nope, pe[:, None, :].expand(-1, k_nope.shape[1], -1), torch.einsum("nd,hvd->nhv", c, w_uv)
+    kv = (c @ w_kv_b.T).view(c.shape[0], heads, -1)
+    return kv[..., :nope], pe[:, None, :].expand(-1, heads, -1), kv[..., nope:]
 
 
 def _attention(q_nope, q_pe, k_nope, k_pe, v, q, cu_q, cu_k, max_q, scale, causal):
@@ -183,16 +184,14 @@ def mla_prefill(
     check_same_device(q_nope=q_nope, plan=plan.cu_q)
 
     dt = q_nope.dtype
-    w = w_kv_b.view(heads, nope + v_dim, KV_LORA_RANK)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
     q = None
     latents = latent_cache.view(-1, latent_cache.shape[-1])
     scales = None if cache_scales is None else cache_scales.view(-1, cache_scales.shape[-1])
     o = lse = None
     for i, (rows, cu_k) in enumerate(plan.passes):  # the new tokens (causal among themselves), then prefix chunks
         gathered = latents[rows] if scales is None else dequantize_rows(latents[rows], scales[rows])
-        (o_i, lse_i), q = _attention(q_nope, q_pe, *_keys_values(gathered.to(dt), w_uk, w_uv), q, plan.cu_q, cu_k,
-                                     plan.max_q, scale, i == 0)
+        (o_i, lse_i), q = _attention(q_nope, q_pe, *_keys_values(gathered.to(dt), w_kv_b, heads, nope), q, plan.cu_q,
+                                     cu_k, plan.max_q, scale, i == 0)
         lse_i = lse_i.transpose(0, 1)  # [T, H]
         o, lse = (o_i, lse_i) if i == 0 else merge_attention_states(o, lse, o_i, lse_i)
     return o
