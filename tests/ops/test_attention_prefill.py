@@ -140,8 +140,8 @@ def test_warp_specialised_prefill_compiles_for_hopper():
 
 def test_warp_specialised_prefill_chosen_on_hopper_only():
     """The Gluon kernel's warpgroups and tiles (three × 4 stages where they fit, 192/128 included with q's high part
-    in registers, else two × 4, else two × 2; 64-key tiles, 128 at d64); on the CPU (and under the interpreter, and with a config, paged or FP8 keys) the Triton
-    kernel runs."""
+    in registers, else two × 4, else two × 2; 64-key tiles, 128 at d64); on the CPU (and under the interpreter, and
+    with a config, paged or FP8 keys) the Triton kernel runs."""
     assert [prefill_ws.config(*d) for d in ((64, 64), (128, 128), (192, 128), (256, 128))] == [
         (3, 128, 4), (3, 64, 4), (3, 64, 4), (2, 64, 2)]
     q, k, v, *_ = packed([200], [200], 2, 1, 128)
