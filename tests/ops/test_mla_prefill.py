@@ -22,10 +22,12 @@ def _cache(lens, page, fp8=False):
     return cache, scales, tables
 
 
+@pytest.mark.parametrize("chunk", [24, 64])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_prefill_chunked_context(fp8):
-    """Three sequences: a fresh prompt, one with a cached prefix longer than a chunk, one with a short
-    prefix; page size 16, lengths not multiples of it; context chunk 24 → several LSE merges."""
+def test_prefill_chunked_context(fp8, chunk):
+    """Three sequences: a fresh prompt, one with a cached prefix longer than a chunk of 24, one with a short
+    prefix; page size 16, lengths not multiples of it. Context chunk 24 → the new tokens, then three prefix chunks
+    merged by LSE; 64 ≥ every prefix → one causal pass over each whole context."""
     lens, q_lens = [19, 70, 33], [19, 9, 5]
     cache, scales, tables = _cache(lens, 16, fp8)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
@@ -34,7 +36,10 @@ def test_prefill_chunked_context(fp8):
     q_pe = (torch.randn(n, H, 64) / 8 ** 0.5).half()
     w = (torch.randn(H * (NOPE + VD), 512) / 512 ** 0.5).half()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    o = mla_prefill(q_nope, q_pe, cache, tables, cu, seq_lens, w, scale=SCALE, cache_scales=scales, chunk_size=24)
+    plan = mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=chunk)
+    assert len(plan.passes) == (1 + 3 if chunk == 24 else 1)
+    o = mla_prefill(q_nope, q_pe, cache, tables, cu, seq_lens, w, scale=SCALE, cache_scales=scales, chunk_size=chunk,
+                    plan=plan)
     rows = reference.gather_latents(cache, tables, seq_lens, scales)
     for b in range(3):
         a, e = int(cu[b]), int(cu[b + 1])
