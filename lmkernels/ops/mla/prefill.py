@@ -3,8 +3,8 @@ family's prefill kernel (q/k dim nope + 64, v dim v_head_dim), after up-projecti
     k_nope = c_kv · W_UKᵀ,  v = c_kv · W_UVᵀ,  k = [k_nope | k_pe] (k_pe shared by all heads).
 Where every cached prefix fits in chunk_size tokens, one causal pass covers each whole context; else the new tokens
 (causal among themselves) and the cached prefix (all visible, in chunks of chunk_size tokens to bound the up-projected
-workspace) give partial (o, lse) that merge_attention_states combines. On Hopper
-the attention reads q = [q_nope | q_pe] and k = [k_nope | k_pe] where the parts lie (no concatenated copies).
+workspace) give partial (o, lse) that merge_attention_states combines. On Hopper the attention reads q = [q_nope |
+q_pe] and k = [k_nope | k_pe] where the parts lie (no concatenated copies).
 Which cache rows each pass gathers depends on the lengths, so it is worked out on the host: mla_prefill_plan reads the
 lengths and the page table once (one host sync), checks them, and sends the passes' cache rows over in one transfer;
 a model's layers share that plan within a step, so that their mla_prefill calls only enqueue kernels. Decode never
