@@ -26,8 +26,9 @@ def _cache(lens, page, fp8=False):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_prefill_chunked_context(fp8, chunk):
     """Three sequences: a fresh prompt, one with a cached prefix longer than a chunk of 24, one with a short
-    prefix; page size 16, lengths not multiples of it. Context chunk 24 → the new tokens, then three prefix chunks
-    merged by LSE; 64 ≥ every prefix → one causal pass over each whole context."""
+    prefix; page size 16, lengths not multiples of it. Context chunk 24 → the new tokens with the prefixes' last
+    chunks (causal), then two earlier chunks, merged by LSE; 64 ≥ every prefix → one causal pass over each whole
+    context."""
     lens, q_lens = [19, 70, 33], [19, 9, 5]
     cache, scales, tables = _cache(lens, 16, fp8)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
@@ -37,7 +38,7 @@ def test_prefill_chunked_context(fp8, chunk):
     w = (torch.randn(H * (NOPE + VD), 512) / 512 ** 0.5).half()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     plan = mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=chunk)
-    assert len(plan.passes) == (1 + 3 if chunk == 24 else 1)
+    assert len(plan.passes) == (1 + 2 if chunk == 24 else 1)  # prefixes 0, 61, 28
     o = mla_prefill(q_nope, q_pe, cache, tables, cu, seq_lens, w, scale=SCALE, cache_scales=scales, chunk_size=chunk,
                     plan=plan)
     rows = reference.gather_latents(cache, tables, seq_lens, scales)
@@ -57,7 +58,7 @@ def test_prefill_plan_shared_by_layers(fp8):
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     plan = mla_prefill_plan(cache, tables, cu, seq_lens, chunk_size=32)
-    assert len(plan.passes) == 1 + 3  # the new tokens, then 83 prefix keys in chunks of 32
+    assert len(plan.passes) == 1 + 2  # 83 prefix keys in chunks of 32: the new tokens with keys 64–82, then 0–63
     for layer in range(2):
         q_nope = (torch.randn(sum(q_lens), H, NOPE) / NOPE ** 0.25).half()
         q_pe = (torch.randn(sum(q_lens), H, 64) / 8 ** 0.5).half()

@@ -1,10 +1,11 @@
 """MLA prefill (chunked): new tokens attend to their cached context and to themselves through the attention
 family's prefill kernel (q/k dim nope + 64, v dim v_head_dim), after up-projecting the latents:
     k_nope = c_kv · W_UKᵀ,  v = c_kv · W_UVᵀ,  k = [k_nope | k_pe] (k_pe shared by all heads).
-Where every cached prefix fits in chunk_size tokens, one causal pass covers each whole context; else the new tokens
-(causal among themselves) and the cached prefix (all visible, in chunks of chunk_size tokens to bound the up-projected
-workspace) give partial (o, lse) that merge_attention_states combines. On Hopper the attention reads q = [q_nope |
-q_pe] and k = [k_nope | k_pe] where the parts lie (no concatenated copies).
+The cached prefix is cut in chunks of chunk_size tokens (to bound the up-projected workspace); the new tokens and
+their prefix's last chunk form one causal pass, the earlier chunks (all keys visible) one pass each, and
+merge_attention_states combines their partial (o, lse) (a prefix within one chunk: one pass, nothing to merge).
+On Hopper the attention reads q = [q_nope | q_pe] and k = [k_nope | k_pe] where the parts lie (no concatenated
+copies).
 Which cache rows each pass gathers depends on the lengths, so it is worked out on the host: mla_prefill_plan reads the
 lengths and the page table once (one host sync), checks them, and sends the passes' cache rows over in one transfer;
 a model's layers share that plan within a step, so that their mla_prefill calls only enqueue kernels. Decode never
@@ -88,14 +89,13 @@ def mla_prefill_plan(latent_cache: torch.Tensor, block_tables: torch.Tensor, cu_
         raise ValueError(f"seq_lens must be ≥ each sequence's new tokens {q_lens.tolist()}: the cache must hold them "
                          f"(write_latent_cache first), got {lens.tolist()}")
     check_block_tables(tables_cpu, torch.from_numpy(lens), page, num_pages)
-    prefix = lens - q_lens
-    if batch and int(prefix.max()) <= chunk_size:  # every prefix fits one chunk: one causal pass over each whole
-        bounds = [(np.zeros_like(lens), lens)]  # context (the diagonal aligned to its end), nothing to merge
-    else:
-        bounds = [(prefix, lens)]  # the new tokens: causal among themselves
-        for start in range(0, int(prefix.max()) if batch else 0, chunk_size):  # the cached prefix, all keys visible
-            s = np.minimum(prefix, start)
-            bounds.append((s, np.minimum(s + chunk_size, prefix)))
+    # the new tokens with their prefix's last chunk (0 without a prefix): one causal pass, the diagonal aligned to
+    # each context's end; then the earlier prefix chunks, all keys visible
+    last = np.maximum((lens - q_lens - 1) // chunk_size, 0) * chunk_size
+    bounds = [(last, lens)]
+    for start in range(0, int(last.max()) if batch else 0, chunk_size):
+        s = np.minimum(last, start)
+        bounds.append((s, np.minimum(s + chunk_size, last)))
     rows, cus = [], []
     for starts, ends in bounds:
         seq, pos, cu = _ranges(starts, ends)
@@ -146,8 +146,8 @@ def mla_prefill(
     whose full length is seq_lens[b]. w_kv_b: the kv_b_proj weight [H · (nope + v_dim), 512] (W_UK rows
     first per head, then W_UV). latent_cache/cache_scales/block_tables as in mla_decode. float16/bfloat16
     (the attention kernel's dtypes); nope + 64 and v_dim must be attention head dims (DeepSeek: 192, 128).
-    chunk_size: cached-prefix keys up-projected per pass (workspace (chunk_size + T)·H·(nope + v_dim) values; where
-    every prefix fits, one pass takes the prefix and the new tokens together).
+    chunk_size: cached-prefix keys up-projected per pass (workspace (chunk_size + T)·H·(nope + v_dim) values: the last
+    chunk shares its pass with the new tokens).
     plan: the step's mla_prefill_plan for these lengths, page table and chunk_size, shared by the layers (no host
     sync in this call); None makes one here (one host sync).
     """
