@@ -117,21 +117,19 @@ def _keys_values(latents, w_kv_b, heads, nope):
     return kv[..., :nope], pe[:, None, :].expand(-1, heads, -1), kv[..., nope:]
 
 
-def _attention(q_nope, q_pe, k_nope, k_pe, v, q, cu_q, cu_k, max_q, scale, causal):
-    """One pass's (o, lse [H, T]) and q = [q_nope | q_pe] (made here the first time a pass needs it whole). On
-    Hopper the Gluon prefill reads q_nope | q_pe and k_nope | k_pe where they lie (kernels.prefill_split_qk); else
-    q and k are concatenated for attention_prefill."""
+def _attention(q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k, max_q, scale, causal):
+    """One pass's (o, lse [H, T]). On Hopper the Gluon prefill reads q_nope | q_pe and k_nope | k_pe where they lie
+    (kernels.prefill_split_qk); else q and k are concatenated for attention_prefill."""
     if q_nope.is_cuda:
         from ..attention import kernels  # (late: TRITON_INTERPRET may still be set by the caller)
 
         out = kernels.prefill_split_qk(q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k, max_q, scale, causal)
         if out is not None:
-            return out, q
-    if q is None:
-        q = torch.cat((q_nope, q_pe), dim=-1).contiguous()
-    k = torch.cat((k_nope, k_pe), dim=-1).contiguous()
-    return attention_prefill(q, k, v.contiguous(), causal=causal, scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                             max_seqlen_q=max_q, return_lse=True), q
+            return out
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    k = torch.cat((k_nope, k_pe), dim=-1)
+    return attention_prefill(q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max_q, return_lse=True)
 
 
 def mla_prefill(
@@ -189,14 +187,14 @@ def mla_prefill(
     check_same_device(q_nope=q_nope, plan=plan.cu_q)
 
     dt = q_nope.dtype
-    q = None
     latents = latent_cache.view(-1, latent_cache.shape[-1])
     scales = None if cache_scales is None else cache_scales.view(-1, cache_scales.shape[-1])
     o = lse = None
-    for i, (rows, cu_k) in enumerate(plan.passes):  # the new tokens (causal among themselves), then prefix chunks
+    for i, (rows, cu_k) in enumerate(plan.passes):  # the new tokens with the last prefix chunk (causal), then the
+        # earlier prefix chunks
         gathered = latents[rows] if scales is None else dequantize_rows(latents[rows], scales[rows])
-        (o_i, lse_i), q = _attention(q_nope, q_pe, *_keys_values(gathered.to(dt), w_kv_b, heads, nope), q, plan.cu_q,
-                                     cu_k, plan.max_q, scale, i == 0)
+        o_i, lse_i = _attention(q_nope, q_pe, *_keys_values(gathered.to(dt), w_kv_b, heads, nope), plan.cu_q, cu_k,
+                                plan.max_q, scale, i == 0)
         lse_i = lse_i.transpose(0, 1)  # [T, H]
         o, lse = (o_i, lse_i) if i == 0 else merge_attention_states(o, lse, o_i, lse_i)
     return o
