@@ -611,14 +611,18 @@ def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
 
 MIN_KEYS_PER_SPLIT = 256  # keys per split the heuristic keeps at least …
 SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then ~128 keys per split …
-WS_SMALL_MIN_KEYS = 256  # (the Gluon kernel's at 64 rows: 128 heads B=1 6k / 8k 23.8 / 24.6 → 22.1 / 23.7 µs, H100
-# session q)
+# (the Gluon kernel's 64-row blocks too since session w: with the merge of many partials in one or two rounds, 128
+# heads B=1 8k at 64 splits −5% against 32, where 256 had been faster in session q)
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
 MAX_SPLITS = MAX_CHUNKS  # what the merge takes (an explicit num_splits; chunks of one sequence)
-# merge tile: with few rows (B=1) 8 column blocks of 64 × 32 splits per load, so that more programs share the
-# reads; with ≥ 2 rows per SM whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%)
-MERGE_BLOCK_D, MERGE_CHUNK_S = 64, 32
+# merge tile: with few rows (B=1) 8 column blocks of 64 × up to MERGE_CHUNK_S splits per load (32, or 64 for more
+# than 32 splits), so that more programs share the reads, and where a sequence's rows × column blocks are at most
+# two programs an SM (16 or 32 rows) 128 splits per load, one round for up to 128 chunks; with ≥ 2 rows per SM
+# whole 512-wide rows × 4 splits (column blocks there cost B=32 at 1k 25%). H100 (benchmarks/NOTES.md, issue 6,
+# session w), against 32 splits per load: 128 at 16 rows B=1 1k / 8k / 32k −5 / −8 / −11%, 32 rows (16 × 2) B=1 8k
+# / 32k −4 / −6%; at 128 rows 64 splits −5% at 32k (66 chunks), ±0.5% at 1k and 8k (32 chunks), 128 +6–8% there
+MERGE_BLOCK_D, MERGE_CHUNK_S, MERGE_CHUNK_S_FEW = 64, 64, 128
 # in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more
 # go through the merge kernel. H100 A/B (benchmarks/NOTES.md, issue 6): 2 and 4 splits +5–6% (16 heads B=128 /
 # B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
@@ -730,8 +734,6 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
         from . import kernels_ws
 
-        if cfg["BLOCK_M"] >= 64:  # (not at 32 rows, 16 × 2: B=1 8k 19.3 → 20.9 µs at 32 splits, session q)
-            cfg["SMALL_MIN_KEYS"] = WS_SMALL_MIN_KEYS
         cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
@@ -746,6 +748,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
+    if ws and batch == 1:  # one sequence cannot be skewed: as many slots as the static split has chunks, no spare
+        # ones (those only start and return: 128 heads B=1 1k–8k −3 to −5%, 16 × 2 B=1 8k −2%, H100 session w)
+        slots = min(splits, triton.cdiv(max_context, chunk * block_n))
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
@@ -881,7 +886,11 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
         return
-    block_d, chunk_s = (MERGE_BLOCK_D, MERGE_CHUNK_S) if few_rows or min_chunks > 2 else (KV_LORA, 4)
+    block_d, chunk_s = KV_LORA, 4
+    if few_rows or min_chunks > 2:
+        block_d = MERGE_BLOCK_D
+        chunk_s = (MERGE_CHUNK_S_FEW if rows * (KV_LORA // block_d) <= 2 * sm_count(o.device)
+                   else min(MERGE_CHUNK_S, max(32, triton.next_power_of_2(splits))))
     long_entries = 0
     if min_chunks > 2:  # at most this many sequences take min_chunks slots each, the others one or more
         long_entries = triton.next_power_of_2(entries)
