@@ -62,7 +62,8 @@ def main(argv=None):
                       f"{cache}", r)
     mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
     for chunk_s in (32, K.MERGE_CHUNK_S, K.MERGE_CHUNK_S_FEW):
-        mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, INTERPRET=False)
+        mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, INTERPRET=False,
+                   LONG_ENTRIES=0)
         _show(f"mla merge, {chunk_s} splits a load", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
     from . import schedule as S
 
