@@ -83,7 +83,7 @@ def test_decode_many_splits(monkeypatch, sms):
     monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
     monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
         BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
-    n_splits = (kernels.MERGE_CHUNK_S_FEW if sms == 64 else kernels.MERGE_CHUNK_S) + 5
+    n_splits = {64: kernels.MERGE_CHUNK_S_FEW, 32: kernels.MERGE_CHUNK_S}.get(sms, 32) + 5
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
 
 
@@ -518,7 +518,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and at 8k
     one wave more for skewed batches: 198; not where one split comes from a short context, B=4 × 16 keys, nor where
     no sequence can be long enough to take it, 1k). One sequence: splits of ≥ 128 keys (8k: 64; 32k: a wave of 66,
-    512-key chunks, so 64), a slot for each chunk and no spare one (1k: 16 one-tile chunks)."""
+    512-key chunks, so 64), a slot for each chunk and no spare one (1k: 16 one-tile chunks; max_seqlen_k 0: one)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
@@ -526,7 +526,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
                                                 (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66)),
                                                 (1, 8192, 64, (64, 64, 66)), (1, 32768, 66, (64, 64, 66)),
-                                                (1, 1024, 32, (16, 16, 66))):
+                                                (1, 1024, 32, (16, 16, 66)), (1, 0, 1, (1, 1, 66))):
         plan = kernels.decode_plan((batch, 1, 128), cache, ctx)
         assert plan.ws and plan.m_blocks == 2 and plan.programs == 0
         assert (plan.splits, (plan.slots, plan.base, plan.wave)) == (want_splits, want_slots)

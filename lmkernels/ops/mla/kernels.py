@@ -718,9 +718,10 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program). The Gluon kernel takes chunks, one a
     program: splits: decode_num_splits's count per sequence (or the caller's);
     slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
-    skewed batch). At one split a sequence of a batch that fills the GPU, for contexts longer than SWITCH_TILES + 1
-    key tiles, one more wave of slots, which the schedule uses only where it pays (base: the heuristic's slots),
-    launched as programs of their own (one fits per SM, so they run as SMs free up). Smallest chunk (or range):
+    skewed batch); one sequence: exactly its chunks (it cannot be skewed). At one split a sequence of a batch that
+    fills the GPU, for contexts longer than SWITCH_TILES + 1 key tiles, one more wave of slots, which the schedule
+    uses only where it pays (base: the heuristic's slots), launched as programs of their own (one fits per SM, so
+    they run as SMs free up). Smallest chunk (or range):
     the heuristic's chunk (max_context / splits) where keys set the split count, else down to min_keys. Over the
     base slots a uniform batch at max_context gets exactly the heuristic's chunks: where the GPU sets the count,
     splits = wave // batch and slots < batch · (splits + 1), so c = ⌈tiles / splits⌉ is the smallest that fits;
@@ -749,8 +750,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
     if ws and batch == 1:  # one sequence cannot be skewed: as many slots as the static split has chunks, no spare
-        # ones (those only start and return: 128 heads B=1 1k–8k −3 to −5%, 16 × 2 B=1 8k −2%, H100 session w)
-        slots = min(splits, triton.cdiv(max_context, chunk * block_n))
+        # ones (those only start and return: 128 heads B=1 1k–8k −3 to −5%, 16 × 2 B=1 8k −2%, H100 session w); one
+        # at least (max_context 0: the program writes the empty output)
+        slots = max(1, min(splits, triton.cdiv(max_context, chunk * block_n)))
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
     min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
