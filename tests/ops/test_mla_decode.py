@@ -517,14 +517,16 @@ def test_gluon_plan_spare_slots(monkeypatch):
     """The Gluon kernel's launch (as on an H100: 132 SMs) rounds the slots up to whole waves of 66 programs (two
     m-blocks each), at several splits a sequence (128 heads B=32: 64 → 66) and at one (B=128: 128 → 132, and at 8k
     one wave more for skewed batches: 198; not where one split comes from a short context, B=4 × 16 keys, nor where
-    no sequence can be long enough to take it, 1k). One sequence: splits of ≥ 128 keys (8k: 64; 32k: a wave of 66,
-    512-key chunks, so 64), a slot for each chunk and no spare one (1k: 16 one-tile chunks; max_seqlen_k 0: one)."""
+    no sequence can be long enough to take it, 1k). Where keys, not the GPU, set the split count, and for one
+    sequence, exactly the static split's chunks (no schedule can cut more): B=4 × 16 keys 4; one sequence at 8k 64
+    (splits of ≥ 128 keys), at 32k 64 (a wave of 66 splits, 512-key chunks), at 1k 16 one-tile chunks, at
+    max_seqlen_k 0 one."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
-                                                (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (66, 66, 66)),
+                                                (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (4, 4, 66)),
                                                 (1, 8192, 64, (64, 64, 66)), (1, 32768, 66, (64, 64, 66)),
                                                 (1, 1024, 32, (16, 16, 66)), (1, 0, 1, (1, 1, 66))):
         plan = kernels.decode_plan((batch, 1, 128), cache, ctx)

@@ -718,7 +718,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program). The Gluon kernel takes chunks, one a
     program: splits: decode_num_splits's count per sequence (or the caller's);
     slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
-    skewed batch); one sequence: exactly its chunks (it cannot be skewed). At one split a sequence of a batch that
+    skewed batch; where keys set the split count, or for one sequence, no schedule uses them, so the Gluon launch
+    has exactly the static split's chunks). At one split a sequence of a batch that
     fills the GPU, for contexts longer than SWITCH_TILES + 1 key tiles, one more wave of slots, which the schedule
     uses only where it pays (base: the heuristic's slots), launched as programs of their own (one fits per SM, so
     they run as SMs free up). Smallest chunk (or range):
@@ -749,13 +750,15 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
-    if ws and batch == 1:  # one sequence cannot be skewed: as many slots as the static split has chunks, no spare
-        # ones (those only start and return: 128 heads B=1 1k–8k −3 to −5%, 16 × 2 B=1 8k −2%, H100 session w); one
-        # at least (max_context 0: the program writes the empty output)
-        slots = max(1, min(splits, triton.cdiv(max_context, chunk * block_n)))
     # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
     # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
-    min_tiles = chunk if splits < wave // batch else min(triton.cdiv(min_keys, block_n), chunk)
+    keys_set = splits < wave // batch
+    min_tiles = chunk if keys_set else min(triton.cdiv(min_keys, block_n), chunk)
+    if ws and (keys_set or batch == 1):  # then no schedule cuts a sequence of ≤ max_context keys into more chunks
+        # than the static split, so the Gluon launch stops there: slots past it would only start and return (128 heads
+        # B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one at least (max_context 0:
+        # it writes the empty output)
+        slots = max(1, min(slots, batch * triton.cdiv(max_context, chunk * block_n)))
     if not ws and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
         return DecodePlan(cfg, ws, m_blocks, splits, batch + slots - 1, slots, wave, min_tiles, slots)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
