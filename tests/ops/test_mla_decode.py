@@ -520,7 +520,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     no sequence can be long enough to take it, 1k). Where keys, not the GPU, set the split count, and for one
     sequence, exactly the static split's chunks (no schedule can cut more): B=4 × 16 keys 4; one sequence at 8k 64
     (splits of ≥ 128 keys), at 32k 64 (a wave of 66 splits, 512-key chunks), at 1k 16 one-tile chunks, at
-    max_seqlen_k 0 one."""
+    max_seqlen_k 0 one a sequence."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
@@ -528,7 +528,8 @@ def test_gluon_plan_spare_slots(monkeypatch):
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
                                                 (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (4, 4, 66)),
                                                 (1, 8192, 64, (64, 64, 66)), (1, 32768, 66, (64, 64, 66)),
-                                                (1, 1024, 32, (16, 16, 66)), (1, 0, 1, (1, 1, 66))):
+                                                (1, 1024, 32, (16, 16, 66)), (1, 0, 1, (1, 1, 66)),
+                                                (4, 0, 1, (4, 4, 66))):
         plan = kernels.decode_plan((batch, 1, 128), cache, ctx)
         assert plan.ws and plan.m_blocks == 2 and plan.programs == 0
         assert (plan.splits, (plan.slots, plan.base, plan.wave)) == (want_splits, want_slots)

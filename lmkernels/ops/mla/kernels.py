@@ -756,9 +756,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     min_tiles = chunk if keys_set else min(triton.cdiv(min_keys, block_n), chunk)
     if ws and (keys_set or batch == 1):  # then no schedule cuts a sequence of ≤ max_context keys into more chunks
         # than the static split, so the Gluon launch stops there: slots past it would only start and return (128 heads
-        # B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one at least (max_context 0:
-        # it writes the empty output)
-        slots = max(1, min(slots, batch * triton.cdiv(max_context, chunk * block_n)))
+        # B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one a sequence at least
+        # (max_context 0: each writes its empty output)
+        slots = max(batch, min(slots, batch * triton.cdiv(max_context, chunk * block_n)))
     if not ws and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
         return DecodePlan(cfg, ws, m_blocks, splits, batch + slots - 1, slots, wave, min_tiles, slots)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
