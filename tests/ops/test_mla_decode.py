@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from lmkernels.ops.mla import kernels, kernels_ws, mla_decode, mla_decode_schedule, reference, schedule
+from lmkernels.ops.mla import kernels, kernels_fp8, kernels_ws, mla_decode, mla_decode_schedule, reference, schedule
 from tests.helpers import compile_in_fresh_process, nan_empty
 
 SCALE = 192 ** -0.5
@@ -247,14 +247,29 @@ def test_warp_specialised_kernel_compiles_for_hopper():
         assert r["smem_kb"] <= 227 and r["stack"] < 256, r
 
 
+@pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
+def test_fp8_kernel_compiles_for_hopper():
+    """The FP8 Gluon kernel (16 and 32 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its two
+    warpgroups' halves: warpgroup 0 scores over 256 c_kv columns and k_pe (20 wgmma of K = 16), warpgroup 1 over the
+    other 256 (16), each multiplies P by its 256 columns (4 m64 blocks × 4 key steps); one TMA message per
+    64-column piece; in one SM's shared memory, without spilling (the z index in _consumer keeps the wgmma
+    descriptors out of the loop preheader)."""
+    C = "lmkernels.ops.mla.compile_check"
+    for r in compile_in_fresh_process(f"[{C}.fp8(16, True, 'bf16'), {C}.fp8(32, False, 'fp16')]"):
+        assert r["wgmma"] == 20 + 16 + 2 * 16 and r["tma"] == 9 and r["mma"] == 0, r
+        assert r["smem_kb"] <= 227 and r["stack"] == 0, r
+
+
 def test_warp_specialised_kernel_chosen_for_hopper_only():
-    """32 rows and more of a 16-bit cache in whole-tile pages take the Gluon kernel on an sm_90 GPU; everything
-    else (16 rows, CPU, the interpreter, FP8, page sizes that split a 64-key tile) the Triton kernel with its own
-    tiles."""
+    """32 rows and more of a 16-bit cache, and up to 32 rows of an FP8 one, in whole-tile pages take a Gluon kernel
+    on an sm_90 GPU; everything else (16 rows of a 16-bit cache, 64 rows and more of an FP8 one, CPU, the
+    interpreter, page sizes that split a 64-key tile) the Triton kernel with its own tiles."""
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
     assert not kernels.decode_config(16).get("WS") and not kernels.decode_config(128, fp8=True).get("WS")
+    assert kernels.decode_config(16, fp8=True)["WS"] and kernels.decode_config(32, fp8=True)["WS"]
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache)
+    assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache, 128)
+    assert not kernels_fp8.supported(cache.to(torch.float8_e4m3fn), 16)
     cfg, ws, m_blocks, *_ = kernels.decode_plan((1, 1, 128), cache, 8192)
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
 
@@ -409,7 +424,7 @@ def test_extra_wave_only_where_a_sequence_can_take_it(monkeypatch):
     slot for every piece they can make (batch + programs − 1), at every context."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     bound = schedule.SWITCH_TILES + 1
     for ctx, extra in ((bound * 64, False), (bound * 64 + 1, True), (8192, True)):
@@ -427,7 +442,7 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
     chunks each rather than 70 programs on 132 SMs; test_schedule)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: not gluon)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: gluon)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: gluon)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
@@ -523,7 +538,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     max_seqlen_k 0 one a sequence."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
                                                 (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (4, 4, 66)),

@@ -41,6 +41,20 @@ def ws(split=True, dtype="bf16"):
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
+def fp8(rows=16, split=True, dtype="bf16"):
+    """The FP8 Gluon kernel (kernels_fp8.py) at `rows` (16 or 32), as mla_decode launches it on Hopper."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import kernels_fp8 as F
+
+    types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*fp8e4nv", s_ptr="*fp32", bt_ptr="*i32",
+                 len_ptr="*i32", o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32",
+                 sched_ptr="*i32", qk_scale="fp32")
+    ce = dict(SPLIT=split, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=F.BLOCK_N,
+              NSTAGE=F.stages(rows), USE_PDL=True, LATE_TRIGGER=split)
+    return compile_kernel(F._mla_decode_fp8_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
+
+
 def main(argv=None):
     args = argv or sys.argv[1:]
     configs = [None]
@@ -75,6 +89,8 @@ def main(argv=None):
                                                                                        sched_ptr="*i32"), rce, 8, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
+    for rows in (16, 32):
+        _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))
     _show("mla decode rows 16 with PDL (griddepcontrol)", r)
     types = dict(kv_ptr="*bf16", w_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", c_ptr="*bf16",

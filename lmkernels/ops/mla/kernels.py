@@ -685,7 +685,7 @@ def decode_config(rows: int, fp8: bool = False):
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
                         PROGRAMS_PER_SM=1)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True,
-                    PROGRAMS_PER_SM=2 if block_m == 16 else 1)
+                    PROGRAMS_PER_SM=2 if block_m == 16 else 1, WS=True)
     if block_m >= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, KEYS_MAJOR=False, TMA=True, PROGRAMS_PER_SM=1,
                     WS=True)
@@ -732,8 +732,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     batch, n_new, heads = shape
     fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
-    ws = cfg.pop("WS", False) and not fp8 and not interpreting() and _ws_supported(cache)
-    if ws:  # the Gluon kernel's key tile also decides the chunk boundaries
+    ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(cache, n_new * heads)
+    if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
         from . import kernels_ws
 
         cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
@@ -771,14 +771,14 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
-def _ws_supported(cache):
-    """Whether the warp-specialised Gluon kernel (kernels_ws.py) can run on this cache (the queries have its dtype:
-    api.mla_decode checks)."""
+def _ws_supported(cache, rows):
+    """Whether a warp-specialised Gluon kernel can run on this cache (the queries have its dtype or it is FP8:
+    api.mla_decode checks): kernels_ws.py for 16-bit caches, kernels_fp8.py for FP8 ones at ≤ 32 rows."""
     if not cache.is_cuda:
         return False
-    from . import kernels_ws
+    from . import kernels_fp8, kernels_ws
 
-    return kernels_ws.supported(cache)
+    return kernels_fp8.supported(cache, rows) if cache.dtype == torch.float8_e4m3fn else kernels_ws.supported(cache)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,
@@ -845,7 +845,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         if sched.shape != (schedule_size(batch, slots, programs),):
             raise ValueError(f"schedule has {tuple(sched.shape)} values; this call's plan ({slots} slots, {programs} "
                              f"programs) needs {schedule_size(batch, slots, programs)}")
-    if ws:
+    if ws and fp8:
+        from .kernels_fp8 import mla_decode_fp8
+
+        mla_decode_fp8(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+                       scale * LOG2E, slots, pdl, merge_pdl)
+    elif ws:
         from .kernels_ws import mla_decode_ws
 
         mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,

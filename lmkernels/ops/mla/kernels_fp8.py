@@ -1,0 +1,374 @@
+"""MLA decode over an FP8 (e4m3) latent cache on Hopper, written in Gluon, for up to 32 rows (16 heads, one or two
+new tokens): the memory-bound shapes, where an FP8 cache should halve the time of a bf16 one.
+
+Why: the Triton kernel (kernels.py) dequantises each value to fp32, scales it, rounds it to 16 bits and stages the
+tile through shared memory again in each dot's layout, ~2.2x the work of a bf16 tile: FP8 ran at ~30% of copy,
+slower per call than bf16 (benchmarks/NOTES.md, issue 6, session v). Here:
+- a loader warp streams 64-key tiles (9 TMA pieces of 64 e4m3 columns) into STAGES stages;
+- one consumer warpgroup converts a tile to float16 in shared memory (e4m3 → f16 is exact, one cvt per two
+  values) scaled by ratio = scale / c, c the tile's largest scale (ratios ≤ 1: no f16 overflow), then computes the
+  scores transposed, Sᵀ = K · Qᵀ [64 keys, rows] (wgmma M is 64: keys, not the 16–32 rows, fill it), and
+  Oᵀ += Vᵀ · Pᵀ [512, rows] from the same f16 tile (A operand transposed), with c folded into the softmax scale and
+  into the accumulator's rescale (the accumulator holds O / c of the last tile);
+- q is stored as f16 after a power-of-two scale per row (its largest value → ≤ 2^14, undone in the softmax scale),
+  so a bf16 query of any range converts exactly (f16 keeps 11 significant bits, bf16 8).
+f16 operands (exact from e4m3) keep more precision than the Triton kernel's bf16 ones; P is f16 in [0, 1].
+Keys past the sequence end inside the last tile are zeroed in the f16 tile and their scales taken as 0 (the page
+may hold NaN there). Outputs, LSE, partials and the schedule as kernels_ws.py (one program a chunk, whole rows).
+Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
+this kernel with the reference on the GPU."""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+from ..._utils import gdc_launch_dependents, gdc_wait
+from .kernels_ws import _add, _maximum, triton_ok
+from .schedule import ROW
+
+BLOCK_N = 64  # keys per tile: the M of the score wgmma
+MAX_ROWS = 32  # rows (heads × new tokens) one program takes: the Oᵀ accumulator is 512 × rows fp32
+N_SCALES = gl.constexpr(5)  # scales a cache row: 4 for c_kv (128 values each), 1 for k_pe
+Q_MAX_EXP = gl.constexpr(14.0)  # q rows scaled so that their largest |value| is ≤ 2^14 (f16 max 65504)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_row(bt_row, n, end, page_size):
+    """The cache row of key n (0 where n ≥ end: a tile past the chunk, never read)."""
+    page = gl.load(bt_row + n // page_size, mask=n < end, other=0).to(gl.int32)
+    return page * page_size + n % page_size
+
+
+@gluon.jit
+def _loader(c_ptr, bt_row, f8c, f8p, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
+            LATE_TRIGGER: gl.constexpr):
+    """Tile t into stage t % STAGES: the 512 c_kv columns as 8 pieces of 64, then k_pe, one barrier a stage."""
+    NSTAGE: gl.constexpr = f8c.shape[0]
+    BLOCK_N: gl.constexpr = f8c.shape[1]
+    KV_LORA: gl.constexpr = f8c.shape[2]
+    ROPE: gl.constexpr = f8p.shape[2]
+    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, ROPE], f8p.layout)
+    for t in range(n_tiles):
+        s = t % NSTAGE
+        n0 = start + t * BLOCK_N
+        row0 = _tile_row(bt_row, n0, end, page_size)
+        mbarrier.wait(empty.index(s), ((t // NSTAGE) & 1) ^ 1)  # fresh barriers count as released
+        bar = ready.index(s)
+        mbarrier.expect(bar, BLOCK_N * (KV_LORA + ROPE))
+        for j in gl.static_range(KV_LORA // ROPE):
+            tma.async_copy_global_to_shared(desc, [row0, ROPE * j], bar, f8c.index(s).slice(ROPE * j, ROPE, dim=1))
+        tma.async_copy_global_to_shared(desc, [row0, KV_LORA], bar, f8p.index(s))
+    if LATE_TRIGGER:  # every load issued: the merge kernel after this one may launch
+        gdc_launch_dependents()
+
+
+@gluon.jit
+def _tile_scales(s_ptr, row0, n0, end, keys):
+    """The tile's 5 scales per key (0 past the end) in the dequantisation layout, as a tuple."""
+    ok = n0 + keys < end
+    base = s_ptr + (row0 + keys).to(gl.int64) * N_SCALES
+    return (gl.load(base, mask=ok, other=0.0), gl.load(base + 1, mask=ok, other=0.0),
+            gl.load(base + 2, mask=ok, other=0.0), gl.load(base + 3, mask=ok, other=0.0),
+            gl.load(base + 4, mask=ok, other=0.0))
+
+
+@gluon.jit
+def _dequant_piece(src, dst, ratio, keep, layout: gl.constexpr):
+    """e4m3 piece → f16 · ratio (per key); keys with keep == 0 (past the sequence end: the page may hold NaN there,
+    and P = 0 times NaN is not 0) zeroed as bytes. Per 4 values one and, two cvt, two f16x2 multiplies (triton's own
+    conversion also shuffled bytes, ~3 PRMT a pair)."""
+    x = src.load(layout).to(gl.int8, bitcast=True)
+    r = gl.full(x.shape, 1.0, gl.float16, layout) * ratio[:, None]
+    k = gl.full(x.shape, 0, gl.int32, layout) + keep[:, None]
+    y = gl.inline_asm_elementwise(
+        "{ .reg .b32 v; .reg .b16 lo, hi; and.b32 v, $2, $5; mov.b32 {lo, hi}, v; cvt.rn.f16x2.e4m3x2 $0, lo; "
+        "cvt.rn.f16x2.e4m3x2 $1, hi; mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }",
+        "=r,=r,r,r,r,r,r,r,r", [x, r, k], dtype=gl.float16, is_pure=True, pack=4)
+    dst.store(y)
+
+
+@gluon.jit
+def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
+    """q rows (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory: this
+    warpgroup's half of q_lat (warpgroup 0 also q_pe; both read the whole row for its largest value), then wait for
+    the other half. Returns 2^-k per row (0-rows: 1)."""
+    qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+    ROWS: gl.constexpr = q_smem.shape[0]
+    HALF: gl.constexpr = q_smem.shape[1] // 2
+    ROPE: gl.constexpr = qp_smem.shape[1]
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+    row_ok = (r < n_new * heads)[:, None]
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    e = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
+    qn_row = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
+    own = gl.load(qn_row + HALF_IDX * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    other = gl.load(qn_row + (1 - HALF_IDX) * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    qp = gl.load(qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
+                 + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.reduce(gl.abs(own), 1, _maximum), gl.reduce(gl.abs(other), 1, _maximum)),
+                      gl.reduce(gl.abs(qp), 1, _maximum))
+    k = gl.where(amax > 0.0, Q_MAX_EXP - gl.ceil(gl.log2(amax)), 0.0)
+    q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store((own * gl.exp2(k)[:, None]).to(gl.float16))
+    if HALF_IDX == 0:
+        qp_smem.store((qp * gl.exp2(k)[:, None]).to(gl.float16))
+    fence_async_shared()
+    mbarrier.arrive(q_bar)
+    mbarrier.wait(q_bar, 0)
+    return gl.exp2(-k)
+
+
+@gluon.jit
+def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
+    """Warpgroup HALF_IDX converts its half of each tile's c_kv (warpgroup 0 also k_pe), computes the scores over
+    those columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ and run the same
+    softmax: no further exchange) and multiplies its own P copy by its own columns into its half of Oᵀ. So each
+    warpgroup reads only the f16 columns it wrote, and a tile costs one exchange between them."""
+    q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
+    ready, empty, q_bar, x_full, x_free = bars
+    start, end, n_tiles, seq_len = span
+    n_new = q_args[3]
+    heads = q_args[4]
+    ROWS: gl.constexpr = q_buf.shape[1]
+    NSTAGE: gl.constexpr = f8c.shape[0]
+    BLOCK_N: gl.constexpr = f8c.shape[1]
+    KV_LORA: gl.constexpr = f8c.shape[2]
+    HALF: gl.constexpr = KV_LORA // 2
+    ROPE: gl.constexpr = f8p.shape[2]
+    GROUP: gl.constexpr = 128  # values a scale
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
+    # 16 e4m3 (16 bytes) a thread, a warp's quarter on one 64-byte row piece (no bank conflicts); [64, 128] and
+    # [64, 64] pieces alike
+    dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    inv_qs = gl.convert_layout(_load_q(q_args, q_buf.index(0), qp_buf.index(0), q_bar, HALF_IDX), col_layout)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, ROWS, layout=col_layout)
+    pos = seq_len - n_new + cols // heads  # causal among the new tokens
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
+    l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
+    c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)  # acc holds O / c_acc
+    acc = warpgroup_mma_init(gl.zeros([HALF, ROWS], gl.float32, layout=s_layout))  # carried as in flight
+    s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
+    # scales one tile ahead, the next tile's page row two ahead (two dependent loads)
+    sc = _tile_scales(s_ptr, _tile_row(bt_row, start, end, page_size), start, end, keys)
+    row_next = _tile_row(bt_row, start + BLOCK_N, end, page_size)
+    for t in range(n_tiles):
+        s = t % NSTAGE
+        n0 = start + t * BLOCK_N
+        sc_next = _tile_scales(s_ptr, row_next, n0 + BLOCK_N, end, keys)
+        row_next = _tile_row(bt_row, n0 + 2 * BLOCK_N, end, page_size)
+        big = gl.maximum(gl.maximum(gl.maximum(sc[0], sc[1]), gl.maximum(sc[2], sc[3])), sc[4])
+        c = gl.reduce(big, 0, _maximum)
+        c = gl.where(c > 0.0, c, 1.0)
+        inv_c = 1.0 / c
+        keep = gl.where(n0 + keys < end, -1, 0)
+        mbarrier.wait(ready.index(s), (t // NSTAGE) & 1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # the last tile's Pᵀ and f16 columns are free
+        # the f16 buffers indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the
+        # wgmma descriptors of these fixed buffers once before the loop and spills them
+        z = n0 >> 31  # n0 ≥ 0
+        kfc = kfc_buf.index(z)
+        kfp = kfp_buf.index(z)
+        # a scale group (128 columns) at a time: the compiler puts a barrier between stores into one buffer
+        for g in gl.static_range(HALF_IDX * HALF // GROUP, (HALF_IDX + 1) * HALF // GROUP):
+            _dequant_piece(f8c.index(s).slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
+                           (sc[g] * inv_c).to(gl.float16), keep, dq)
+        if HALF_IDX == 0:
+            _dequant_piece(f8p.index(s), kfp, (sc[4] * inv_c).to(gl.float16), keep, dq)
+        mbarrier.arrive(empty.index(s))
+        fence_async_shared()
+        q_smem = q_buf.index(z)
+        st = s_zero
+        for j in gl.static_range(HALF_IDX * HALF // ROPE, (HALF_IDX + 1) * HALF // ROPE):
+            st = warpgroup_mma(kfc.slice(j * ROPE, ROPE, dim=1), q_smem.slice(j * ROPE, ROPE, dim=1).permute((1, 0)),
+                               st, use_acc=j > HALF_IDX * HALF // ROPE, is_async=True)
+        if HALF_IDX == 0:
+            st = warpgroup_mma(kfp, qp_buf.index(z).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        # the scores over the other warpgroup's columns
+        ph = t & 1
+        mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
+        sx.index(HALF_IDX).store(st)
+        fence_async_shared()
+        mbarrier.arrive(x_full.index(HALF_IDX))
+        mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
+        st = st + sx.index(1 - HALF_IDX).load(s_layout)
+        mbarrier.arrive(x_free.index(1 - HALF_IDX))
+        kn = n0 + offs_n
+        x = gl.where((kn[:, None] < end) & (kn[:, None] <= pos[None, :]), st * (c * qk_scale * inv_qs)[None, :],
+                     float("-inf"))
+        m_new = gl.maximum(m_i, gl.reduce(x, 0, _maximum))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(x - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)
+        l_k = l_k * alpha[None, :] + p
+        m_i = m_new
+        pt = pt_buf.index(2 * z + HALF_IDX)
+        pt.store(p.to(gl.float16))
+        fence_async_shared()
+        acc = acc * (alpha * c_acc / c)[None, :]
+        c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * c
+        acc = warpgroup_mma(kfc.slice(HALF_IDX * HALF, HALF, dim=1).permute((1, 0)), pt, acc, is_async=True)
+        sc = sc_next
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_i = gl.reduce(l_k, 0, _add)
+    # each warpgroup stages its half of o in the f16 columns it owns
+    staging = kfc_buf.index(0)._reinterpret(gl.float16, [2, BLOCK_N, HALF], gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=[1, 0])).index(HALF_IDX)
+    _epilogue(acc, m_i, l_i, c_acc, out_args, n_new * heads, staging, HALF_IDX)
+
+
+@gluon.jit
+def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
+    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+
+
+@gluon.jit
+def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
+    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, c_acc, out_args, rows, buf, HALF_IDX: gl.constexpr):
+    """This warpgroup's columns of o = c · acc / l (accᵀ), through shared memory (buf: [64, 256] 16-bit of the f16
+    tile it owns) so that rows leave in 16-byte pieces; warpgroup 0 also the LSE. Rows go to the final output
+    (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
+    o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
+    HALF: gl.constexpr = acc.shape[0]
+    ROWS: gl.constexpr = acc.shape[1]
+    KV_LORA: gl.constexpr = 2 * HALF
+    o_dtype: gl.constexpr = o_ptr.dtype.element_ty
+    VEC: gl.constexpr = 16 // (o_dtype.primitive_bitwidth // 8)
+    empty_rows = l_i == 0.0
+    l_safe = gl.where(empty_rows, 1.0, l_i)
+    out = (acc * (c_acc / l_safe)[None, :]).to(o_dtype)
+    staged = buf._reinterpret(o_dtype, [ROWS, HALF], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                              order=[1, 0]))
+    staged.permute((1, 0)).store(out)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
+    out = staged.load(rows_layout)
+    o_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
+    o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+    row_ok = (o_rows < rows)[:, None]
+    gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
+    gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
+             mask=row_ok & (not direct))
+    if HALF_IDX == 0:
+        r = gl.arange(0, ROWS, layout=m_i.type.layout)
+        lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(lse_ptr + final_row0 + r, lse, mask=(r < rows) & direct)
+        gl.store(pl_ptr + part_row0 + r, lse, mask=(r < rows) & (not direct))
+
+
+@gluon.jit
+def _mla_decode_fp8_kernel(
+    qn_ptr, qp_ptr, c_ptr, s_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
+    n_new, heads, page_size, n_rows, qk_scale,
+    SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False,
+):
+    if USE_PDL:  # as kernels._mla_decode_kernel
+        gdc_wait()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
+    slot = gl.program_id(0)
+    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
+        row = sched_ptr + slot * SCHEDULE_ROW
+        seq = gl.load(row)
+        seq_len = gl.load(row + 1)
+        start = gl.load(row + 2)
+        end = gl.load(row + 3)
+        direct = gl.load(row + 4) == 1
+        if seq < 0:  # a spare slot
+            return
+    else:
+        seq = slot
+        seq_len = gl.load(len_ptr + seq).to(gl.int32)
+        start = 0
+        end = seq_len
+        direct = True
+    b64 = seq.to(gl.int64)
+    f8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    f16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)  # [1, …]: see _consumer's z
+    qp_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, ROPE], f16)
+    f8c = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, KV_LORA], f8)
+    f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, ROPE], f8)
+    kfc = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, KV_LORA], f16)
+    kfp = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, ROPE], f16)
+    pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS], p16)  # each warpgroup's copy of Pᵀ
+    sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], flat)  # each warpgroup's partial Sᵀ
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NSTAGE):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups convert their half
+    mbarrier.init(q_bar, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(x_full.index(i), count=1)
+        mbarrier.init(x_free.index(i), count=1)
+    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+    bt_row = bt_ptr + b64 * stride_bt
+    q_args = (qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt,
+              stride_qph)
+    smem = (q_smem, qp_smem, f8c, f8p, kfc, kfp, pt, sx)
+    bars = (ready, empty, q_bar, x_full, x_free)
+    rows = n_new * heads
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
+    span = (start, end, n_tiles, seq_len)
+    args = (q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale)
+    gl.warp_specialize([
+        (_consumer_default, args),
+        (_consumer_worker, args),
+        (_loader, (c_ptr, bt_row, f8c, f8p, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
+                   LATE_TRIGGER)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# registers: 12 warps (two consumer warpgroups and the loader's, rounded up to a warpgroup) × MAXNREG fill the
+# register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240 (as kernels_ws)
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(240)
+
+
+def stages(rows):
+    """e4m3 tiles in flight (36 KB each): beside the f16 tile (72 KB), q and the exchange buffers, 3 fit at 16
+    rows (215 KB), 2 at 32 (209 KB)."""
+    return 3 if rows <= 16 else 2
+
+
+def supported(cache, rows):
+    """Hopper (sm_90), an e4m3 cache in pages holding whole key tiles, TMA-aligned, ≤ MAX_ROWS rows, a checked
+    triton."""
+    return (cache.is_cuda and triton_ok() and torch.cuda.get_device_capability(cache.device) == (9, 0)
+            and cache.dtype == torch.float8_e4m3fn and rows <= MAX_ROWS
+            and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
+
+
+def mla_decode_fp8(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+                   qk_scale, slots, pdl=False, merge_pdl=False):
+    """Launch over slots, as kernels_ws.mla_decode_ws (one m-block: all rows in one program)."""
+    batch, n_new, heads, _ = q_nope.shape
+    rows = n_new * heads
+    _mla_decode_fp8_kernel[(slots,)](
+        q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
+        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=BLOCK_N, NSTAGE=stages(rows), USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}),
+    )
