@@ -27,6 +27,7 @@ def dry_run(monkeypatch):
     monkeypatch.setattr(suite, "PAGE", 16)
     monkeypatch.setattr(suite, "QUICK", ((1, 40, 4, 1), (2, 33, 8, 2), (2, 20, 128, 1)))
     monkeypatch.setattr(suite, "QUICK_SKEWED", (("2 x 70 + 2 x 20", 70, 2, 20, 2),))
+    monkeypatch.setattr(suite, "QUICK_FP8", ((2, 40, 4, 1),))
 
 
 def test_mla_suite_registered():
@@ -39,8 +40,13 @@ def test_mla_suite_dry_run(dry_run, monkeypatch):
     read = {"read_gbps": 100.0, "read_ms": 0.25, "read_by": "fake"}  # the GPU's read ceiling, as if measured
     monkeypatch.setattr(suite, "_read_ceiling", lambda nbytes: read)
     suite.run(result, quick=True, save=lambda: saves.append(len(result["rows"])))
-    rows, skewed = result["rows"][:3], result["rows"][3:]
-    assert saves == [1, 2, 3, 4, 5]
+    rows, skewed, (fp8,) = result["rows"][:3], result["rows"][3:5], result["rows"][5:]
+    assert saves == [1, 2, 3, 4, 5, 6]
+    # informational: ours on an FP8 cache against ours on a bf16 one, GB/s of the FP8 bytes
+    assert fp8["status"] == "ok" and fp8["goal"] == {} and fp8["ours"]["err"] < 1e-2, fp8
+    assert fp8["bytes"] == 2 * 40 * (576 + 4 * 5) + 2 * 4 * 1088 * 2 and fp8["label"].endswith("fp8 cache")
+    assert [p["name"] for p in fp8["peers"]] == ["ours, bf16 cache"] and fp8["peers"][0]["err"] < 1e-2
+    assert fp8["ratio"] > 0 and fp8["pct_copy"] > 0 and "bf16 cache" in fp8["note"]
     for row in skewed:  # informational: no goal, ours against ours on the members run apart (and FlashInfer)
         assert row["status"] == "ok", row
         assert row["ours"]["err"] < 1e-2 and row["goal"] == {}
@@ -86,6 +92,7 @@ def _flex_dry(monkeypatch, fail_first):
     monkeypatch.setattr(suite, "_flex_wanted", lambda *a: True)
     monkeypatch.setattr(suite, "QUICK", ((2, 33, 8, 2),))
     monkeypatch.setattr(suite, "QUICK_SKEWED", ())
+    monkeypatch.setattr(suite, "QUICK_FP8", ())
     return calls
 
 
@@ -190,6 +197,7 @@ def test_mla_suite_flashinfer_peer(dry_run, monkeypatch):
     uniform, MTP and skewed rows; a backend that does not plan is recorded as missing with its reason."""
     _fake_flashinfer(monkeypatch)
     monkeypatch.setattr(suite, "QUICK", ((2, 33, 8, 2), (3, 40, 4, 1)))
+    monkeypatch.setattr(suite, "QUICK_FP8", ())  # FlashInfer is no peer of the FP8 rows
     result = {"suite": "mla", "ceilings": {"copy_gbps": 3000.0, "gemm_bf16_tflops": 700.0}, "rows": []}
     suite.run(result, quick=True)
     assert len(result["rows"]) == 4

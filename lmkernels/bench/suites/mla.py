@@ -585,6 +585,78 @@ def skewed_case(name, long_len, n_long, short_len, n_short, heads):
     return row
 
 
+def fp8_case(batch, ctx, heads, n_new):
+    """A uniform batch over an FP8 (e4m3) cache with a scale per 128 values: informational (the issue's goals are
+    for the bf16 cache), ours against ours on a bf16 cache of the same shape (the peer column "ours, bf16 cache";
+    GB/s of the FP8 row's bytes, so the ratio is the speed-up over bf16). FlashInfer's FP8 MLA takes one scale for
+    the whole cache, not the same function. Checked on batch entry 0 against fp32 math on the dequantised rows."""
+    from ...ops.mla import kernels, mla_decode, mla_decode_schedule
+    from ...ops.mla.reference import N_SCALES, dequantize_rows, quantize_rows
+
+    dt, dev = _dtype(), _dev()
+    label = f"B={batch} ctx={ctx} H={heads} Q={n_new} fp8 cache"
+    elem = torch.tensor([], dtype=dt).element_size()
+    nbytes = batch * ctx * (576 + 4 * N_SCALES) + batch * n_new * heads * (576 + 512) * elem
+    flops = batch * n_new * heads * ctx * (2 * 576 + 2 * 512)
+    base = {"op": "mla_decode", "label": label, "shape": [batch, ctx, heads, n_new, PAGE], "dtype": "bfloat16",
+            "bytes": nbytes, "flops": flops, "unit": "GB/s", "peers": [], "pct_copy": None, "best_peer": None,
+            "best_peer_gbps": None, "ratio": None, "goal": {}}
+
+    def fp8_inputs():
+        q_nope, q_pe, cache, tables, lens = _inputs(batch, ctx, heads, n_new, dt, dev)
+        values, scales = quantize_rows(cache)
+        return q_nope, q_pe, values, scales, tables, lens
+
+    n_sets = timing.rotation_count(nbytes, timing.l2_bytes() if dev == "cuda" else timing.DEFAULT_L2)
+    sets = [fp8_inputs() for _ in range(n_sets)]
+    q_nope, q_pe, cache, scales, tables, lens = sets[0]
+    rows0 = dequantize_rows(cache[tables[0].long()].flatten(0, 1)[:ctx], scales[tables[0].long()].flatten(0, 1)[:ctx])
+    want0 = _reference(q_nope[:1], q_pe[:1], rows0[None, None], n_new)
+    schedule = mla_decode_schedule(cache, tables, lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=ctx,
+                                   cache_scales=scales)
+
+    def ours_fn(q_nope, q_pe, cache, scales, tables, lens):
+        return mla_decode(q_nope, q_pe, cache, tables, lens, scale=SCALE, max_seqlen_k=ctx, cache_scales=scales,
+                          schedule=schedule)[0]
+
+    ours = _impl("ours", "ours", ours_fn, sets, lambda o: rel_err(o[:1].float(), want0), nbytes, flops)
+    plan = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+    del sets, cache, scales, rows0
+    bf16_sets = [_inputs(batch, ctx, heads, n_new, dt, dev) for _ in range(timing.rotation_count(
+        batch * ctx * 576 * elem, timing.l2_bytes() if dev == "cuda" else timing.DEFAULT_L2))]
+    q_nope, q_pe, cache, tables, lens = bf16_sets[0]
+    want_b = _reference(q_nope[:1], q_pe[:1], _dense(cache, tables[:1], ctx), n_new)
+    schedule_b = mla_decode_schedule(cache, tables, lens, num_heads=heads, q_per_seq=n_new, max_seqlen_k=ctx)
+
+    def bf16_fn(q_nope, q_pe, cache, tables, lens):
+        return mla_decode(q_nope, q_pe, cache, tables, lens, scale=SCALE, max_seqlen_k=ctx, schedule=schedule_b)[0]
+
+    peers = [_impl("ours, bf16 cache", "ours-bf16", bf16_fn, bf16_sets, lambda o: rel_err(o[:1].float(), want_b),
+                   nbytes, flops)]
+    del bf16_sets, cache
+    failure = ours.get("wrong") or ours.get("missing")
+    row = {**base, "status": "FAILED" if failure else "ok", "failure": failure, "ours": ours, "peers": peers}
+    kernel = ("Gluon, e4m3 → f16 in shared memory" if plan.ws else
+              f"Triton {plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']} w{plan.cfg['num_warps']}")
+    if not failure:
+        copy = _CEIL.get("copy_gbps")
+        if copy:
+            row["pct_copy"] = 100 * ours["gbps"] / copy
+        if "gbps" in peers[0]:
+            row["best_peer"], row["best_peer_gbps"] = peers[0]["name"], peers[0]["gbps"]
+            row["ratio"] = ours["gbps"] / peers[0]["gbps"]
+    ms = {p["name"]: p["ms"] * 1e3 for p in [ours] + peers if "ms" in p}
+    row["note"] = (f"{label}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in ms.items()) + f"; {kernel}, "
+                   f"{plan.splits} splits on {plan.slots} slots; GB/s of the FP8 bytes (576 e4m3 + 5 fp32 scales a "
+                   f"key); no goal stated; timing {ours.get('timing')}")
+    return row
+
+
+# FP8 cache rows (informational): (batch, context, heads, query tokens)
+FP8_ROWS = ((1, 32768, 16, 1), (32, 8192, 16, 1), (128, 1024, 16, 1), (128, 8192, 16, 1), (32, 8192, 16, 2),
+            (32, 8192, 128, 1))
+QUICK_FP8 = FP8_ROWS[1:2]
+
 # skewed batches (informational rows, 16 and 128 heads each): (name, long length, long sequences, short length, short
 # sequences)
 SKEWED = (("1 x 32k + 31 x 1k", 32768, 1, 1024, 31), ("1 x 8k + 127 x 512", 8192, 1, 512, 127),
@@ -598,6 +670,8 @@ def cases(quick=False):
     for heads in (16, 128):
         for case in (QUICK_SKEWED if quick else SKEWED):
             yield lambda a=(*case, heads): skewed_case(*a)
+    for b, s, h, q in (QUICK_FP8 if quick else FP8_ROWS):
+        yield lambda b=b, s=s, h=h, q=q: fp8_case(b, s, h, q)
 
 
 def run(result: dict, quick: bool = False, save=lambda: None) -> None:

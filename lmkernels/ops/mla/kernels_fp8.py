@@ -46,22 +46,28 @@ def _tile_row(bt_row, n, end, page_size):
 @gluon.jit
 def _loader(c_ptr, bt_row, f8c, f8p, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
             LATE_TRIGGER: gl.constexpr):
-    """Tile t into stage t % STAGES: the 512 c_kv columns as 8 pieces of 64, then k_pe, one barrier a stage."""
+    """Tile t into stage t % STAGES: the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces of 32 (one for
+    each consumer warpgroup), one barrier a stage."""
     NSTAGE: gl.constexpr = f8c.shape[0]
     BLOCK_N: gl.constexpr = f8c.shape[1]
     KV_LORA: gl.constexpr = f8c.shape[2]
-    ROPE: gl.constexpr = f8p.shape[2]
-    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, ROPE], f8p.layout)
+    PE_HALF: gl.constexpr = f8p.shape[2]
+    PIECE: gl.constexpr = 64
+    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK_N, PIECE],
+                                      f8c.layout)
+    desc_pe = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK_N, PE_HALF],
+                                         f8p.layout)
     for t in range(n_tiles):
         s = t % NSTAGE
         n0 = start + t * BLOCK_N
         row0 = _tile_row(bt_row, n0, end, page_size)
         mbarrier.wait(empty.index(s), ((t // NSTAGE) & 1) ^ 1)  # fresh barriers count as released
         bar = ready.index(s)
-        mbarrier.expect(bar, BLOCK_N * (KV_LORA + ROPE))
-        for j in gl.static_range(KV_LORA // ROPE):
-            tma.async_copy_global_to_shared(desc, [row0, ROPE * j], bar, f8c.index(s).slice(ROPE * j, ROPE, dim=1))
-        tma.async_copy_global_to_shared(desc, [row0, KV_LORA], bar, f8p.index(s))
+        mbarrier.expect(bar, BLOCK_N * (KV_LORA + 2 * PE_HALF))
+        for j in gl.static_range(KV_LORA // PIECE):
+            tma.async_copy_global_to_shared(desc, [row0, PIECE * j], bar, f8c.index(s).slice(PIECE * j, PIECE, dim=1))
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc_pe, [row0, KV_LORA + PE_HALF * h], bar, f8p.index(2 * s + h))
     if LATE_TRIGGER:  # every load issued: the merge kernel after this one may launch
         gdc_launch_dependents()
 
@@ -94,28 +100,28 @@ def _dequant_piece(src, dst, ratio, keep, layout: gl.constexpr):
 @gluon.jit
 def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
     """q rows (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory: this
-    warpgroup's half of q_lat (warpgroup 0 also q_pe; both read the whole row for its largest value), then wait for
-    the other half. Returns 2^-k per row (0-rows: 1)."""
+    warpgroup's half of q_lat and of q_pe (both read the whole row for its largest value), then wait for the other
+    half. Returns 2^-k per row (0-rows: 1)."""
     qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
     ROWS: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
-    ROPE: gl.constexpr = qp_smem.shape[1]
+    PE_HALF: gl.constexpr = qp_smem.shape[1]
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
     row_ok = (r < n_new * heads)[:, None]
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-    e = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
+    e = gl.arange(0, PE_HALF, layout=gl.SliceLayout(0, ld))
     qn_row = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
     own = gl.load(qn_row + HALF_IDX * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
     other = gl.load(qn_row + (1 - HALF_IDX) * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
-    qp = gl.load(qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
-                 + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    qp_row = qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
+    own_pe = gl.load(qp_row + HALF_IDX * PE_HALF + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    other_pe = gl.load(qp_row + (1 - HALF_IDX) * PE_HALF + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.reduce(gl.abs(own), 1, _maximum), gl.reduce(gl.abs(other), 1, _maximum)),
-                      gl.reduce(gl.abs(qp), 1, _maximum))
+                      gl.maximum(gl.reduce(gl.abs(own_pe), 1, _maximum), gl.reduce(gl.abs(other_pe), 1, _maximum)))
     k = gl.where(amax > 0.0, Q_MAX_EXP - gl.ceil(gl.log2(amax)), 0.0)
     q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store((own * gl.exp2(k)[:, None]).to(gl.float16))
-    if HALF_IDX == 0:
-        qp_smem.store((qp * gl.exp2(k)[:, None]).to(gl.float16))
+    qp_smem.store((own_pe * gl.exp2(k)[:, None]).to(gl.float16))
     fence_async_shared()
     mbarrier.arrive(q_bar)
     mbarrier.wait(q_bar, 0)
@@ -138,7 +144,8 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     BLOCK_N: gl.constexpr = f8c.shape[1]
     KV_LORA: gl.constexpr = f8c.shape[2]
     HALF: gl.constexpr = KV_LORA // 2
-    ROPE: gl.constexpr = f8p.shape[2]
+    PE_HALF: gl.constexpr = f8p.shape[2]
+    PIECE: gl.constexpr = 64  # columns a score wgmma
     GROUP: gl.constexpr = 128  # values a scale
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -146,7 +153,8 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     # 16 e4m3 (16 bytes) a thread, a warp's quarter on one 64-byte row piece (no bank conflicts); [64, 128] and
     # [64, 64] pieces alike
     dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    inv_qs = gl.convert_layout(_load_q(q_args, q_buf.index(0), qp_buf.index(0), q_bar, HALF_IDX), col_layout)
+    dq_pe: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [64, 32]: the same keys a thread
+    inv_qs = gl.convert_layout(_load_q(q_args, q_buf.index(0), qp_buf.index(HALF_IDX), q_bar, HALF_IDX), col_layout)
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, ROWS, layout=col_layout)
@@ -154,7 +162,7 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
     l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
     c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)  # acc holds O / c_acc
-    acc = warpgroup_mma_init(gl.zeros([HALF, ROWS], gl.float32, layout=s_layout))  # carried as in flight
+    acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
     s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
     # scales one tile ahead, the next tile's page row two ahead (two dependent loads)
     sc = _tile_scales(s_ptr, _tile_row(bt_row, start, end, page_size), start, end, keys)
@@ -170,28 +178,33 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
         inv_c = 1.0 / c
         keep = gl.where(n0 + keys < end, -1, 0)
         mbarrier.wait(ready.index(s), (t // NSTAGE) & 1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # the last tile's Pᵀ and f16 columns are free
         # the f16 buffers indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the
         # wgmma descriptors of these fixed buffers once before the loop and spills them
         z = n0 >> 31  # n0 ≥ 0
         kfc = kfc_buf.index(z)
-        kfp = kfp_buf.index(z)
+        kfp = kfp_buf.index(2 * z + HALF_IDX)
         # a scale group (128 columns) at a time: the compiler puts a barrier between stores into one buffer
         for g in gl.static_range(HALF_IDX * HALF // GROUP, (HALF_IDX + 1) * HALF // GROUP):
             _dequant_piece(f8c.index(s).slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
                            (sc[g] * inv_c).to(gl.float16), keep, dq)
-        if HALF_IDX == 0:
-            _dequant_piece(f8p.index(s), kfp, (sc[4] * inv_c).to(gl.float16), keep, dq)
+        _dequant_piece(f8p.index(2 * s + HALF_IDX), kfp,
+                       gl.convert_layout((sc[4] * inv_c).to(gl.float16), gl.SliceLayout(1, dq_pe)),
+                       gl.convert_layout(keep, gl.SliceLayout(1, dq_pe)), dq_pe)
         mbarrier.arrive(empty.index(s))
         fence_async_shared()
         q_smem = q_buf.index(z)
-        st = s_zero
-        for j in gl.static_range(HALF_IDX * HALF // ROPE, (HALF_IDX + 1) * HALF // ROPE):
-            st = warpgroup_mma(kfc.slice(j * ROPE, ROPE, dim=1), q_smem.slice(j * ROPE, ROPE, dim=1).permute((1, 0)),
-                               st, use_acc=j > HALF_IDX * HALF // ROPE, is_async=True)
-        if HALF_IDX == 0:
-            st = warpgroup_mma(kfp, qp_buf.index(z).permute((1, 0)), st, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        # two independent accumulation chains (pieces alternate), half the dependent wgmma latency
+        st_a = s_zero
+        st_b = s_zero
+        for j in gl.static_range(HALF_IDX * HALF // PIECE, (HALF_IDX + 1) * HALF // PIECE, 2):
+            st_a = warpgroup_mma(kfc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
+                (1, 0)), st_a, use_acc=j > HALF_IDX * HALF // PIECE, is_async=True)
+            st_b = warpgroup_mma(kfc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
+                (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > HALF_IDX * HALF // PIECE,
+                is_async=True)
+        st_a = warpgroup_mma(kfp, qp_buf.index(2 * z + HALF_IDX).permute((1, 0)), st_a, is_async=True)
+        st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
+        st = st_a + st_b
         # the scores over the other warpgroup's columns
         ph = t & 1
         mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
@@ -216,8 +229,8 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
         acc = acc * (alpha * c_acc / c)[None, :]
         c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * c
         acc = warpgroup_mma(kfc.slice(HALF_IDX * HALF, HALF, dim=1).permute((1, 0)), pt, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         sc = sc_next
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     l_i = gl.reduce(l_k, 0, _add)
     # each warpgroup stages its half of o in the f16 columns it owns
     staging = kfc_buf.index(0)._reinterpret(gl.float16, [2, BLOCK_N, HALF], gl.SwizzledSharedLayout(
@@ -302,11 +315,13 @@ def _mla_decode_fp8_kernel(
     p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)  # [1, …]: see _consumer's z
-    qp_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, ROPE], f16)
+    f16_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
+    f8_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE // 2, element_bitwidth=8, rank=2)
+    qp_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROPE // 2], f16_pe)  # a half for each warpgroup
     f8c = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, KV_LORA], f8)
-    f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, ROPE], f8)
+    f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [2 * NSTAGE, BLOCK_N, ROPE // 2], f8_pe)
     kfc = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, KV_LORA], f16)
-    kfp = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, ROPE], f16)
+    kfp = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE // 2], f16_pe)
     pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS], p16)  # each warpgroup's copy of Pᵀ
     sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], flat)  # each warpgroup's partial Sᵀ
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
