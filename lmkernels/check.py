@@ -262,10 +262,10 @@ def _mla_cases(big, dev, dt):
     yield ("write_latent_cache(fp8)", kv.shape, lambda: write8(mla.write_latent_cache),
            lambda: write8(ref.write_latent_cache))
     mla.write_latent_cache(kv, w, cs, pos, slots, c8, cache_scales=s8)
-    for heads in (16, 128) if big else (16,):
-        qn = torch.randn(len(ctx), 1, heads, 512, device=dev, dtype=dt)
-        qp = torch.randn(len(ctx), 1, heads, 64, device=dev, dtype=dt)
-        yield (f"mla_decode({heads} heads, fp8 cache)", qn.shape,
+    for heads, n_new in ((16, 1), (16, 2), (128, 1)) if big else ((16, 1),):  # ≤ 32 rows: Gluon on Hopper
+        qn = torch.randn(len(ctx), n_new, heads, 512, device=dev, dtype=dt)
+        qp = torch.randn(len(ctx), n_new, heads, 64, device=dev, dtype=dt)
+        yield (f"mla_decode({heads} heads{', q 2' if n_new == 2 else ''}, fp8 cache)", qn.shape,
                lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, c8, tables, seq_lens, scale=0.07, cache_scales=s8)[0],
                lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, c8, tables, seq_lens, 0.07, s8)[0])
     heads, chunk = (16, 1024) if big else (4, 8)
