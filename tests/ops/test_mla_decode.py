@@ -261,15 +261,16 @@ def test_fp8_kernel_compiles_for_hopper():
 
 
 def test_warp_specialised_kernel_chosen_for_hopper_only():
-    """32 rows and more of a 16-bit cache, and up to 32 rows of an FP8 one, in whole-tile pages take a Gluon kernel
-    on an sm_90 GPU; everything else (16 rows of a 16-bit cache, 64 rows and more of an FP8 one, CPU, the
-    interpreter, page sizes that split a 64-key tile) the Triton kernel with its own tiles."""
+    """32 rows and more of a 16-bit cache, and every row count of an FP8 one (16 or 32 rows a program, m-blocks of
+    32 above), in whole-tile pages take a Gluon kernel on an sm_90 GPU; everything else (16 rows of a 16-bit cache,
+    CPU, the interpreter, page sizes that split a 64-key tile) the Triton kernel with its own tiles."""
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
-    assert not kernels.decode_config(16).get("WS") and not kernels.decode_config(128, fp8=True).get("WS")
-    assert kernels.decode_config(16, fp8=True)["WS"] and kernels.decode_config(32, fp8=True)["WS"]
+    assert not kernels.decode_config(16).get("WS")
+    assert all(kernels.decode_config(rows, fp8=True)["WS"] for rows in (16, 32, 128))
+    assert [kernels_fp8.block_rows(r) for r in (8, 16, 24, 32, 128)] == [16, 16, 32, 32, 32]
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache, 128)
-    assert not kernels_fp8.supported(cache.to(torch.float8_e4m3fn), 16)
+    assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache)
+    assert not kernels_fp8.supported(cache.to(torch.float8_e4m3fn))
     cfg, ws, m_blocks, *_ = kernels.decode_plan((1, 1, 128), cache, 8192)
     assert not ws and cfg["BLOCK_M"] == 64 and m_blocks == 2
 
@@ -424,7 +425,7 @@ def test_extra_wave_only_where_a_sequence_can_take_it(monkeypatch):
     slot for every piece they can make (batch + programs − 1), at every context."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     bound = schedule.SWITCH_TILES + 1
     for ctx, extra in ((bound * 64, False), (bound * 64 + 1, True), (8192, True)):
@@ -442,7 +443,7 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
     chunks each rather than 70 programs on 132 SMs; test_schedule)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: not gluon)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: gluon)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: gluon)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for heads, n_new in ((16, 1), (16, 2), (64, 1), (128, 1), (128, 2)):
         for batch in (1, 3, 32, 33, 100, 128, 133, 256):
@@ -538,7 +539,7 @@ def test_gluon_plan_spare_slots(monkeypatch):
     max_seqlen_k 0 one a sequence."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache, rows: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     for batch, ctx, want_splits, want_slots in ((32, 1024, 2, (66, 66, 66)), (128, 1024, 1, (132, 132, 66)),
                                                 (128, 8192, 1, (198, 132, 66)), (4, 16, 1, (4, 4, 66)),

@@ -675,15 +675,17 @@ def decode_config(rows: int, fp8: bool = False):
     +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i),
     16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
     the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
-    FP8 caches: fewer stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows
-    splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows
-    (+5%, fewer spills), not at 16 (−12%) (session l). FP8 runs at ~30% of copy, slower than bf16 per call: the
-    per-value dequantisation (e4m3 → fp32 · scale → 16 bit, staged through shared memory again) sets the pace."""
+    FP8 caches: on Hopper in 64-key pages the Gluon kernel of kernels_fp8.py (WS; 16 or 32 rows a program, m-blocks
+    of 32 above; session x: 16 heads 1.6–2.1x this kernel's FP8 path). This kernel's FP8 path (elsewhere): fewer
+    stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows splits sized for 2
+    programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows (+5%, fewer spills), not
+    at 16 (−12%) (session l); ~30% of copy, slower than bf16 per call: the per-value dequantisation (e4m3 → fp32 ·
+    scale → 16 bit, staged through shared memory again) sets the pace."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_MAJOR=False, HALVES=True,
-                        PROGRAMS_PER_SM=1)
+                        PROGRAMS_PER_SM=1, WS=True)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2, KEYS_MAJOR=True,
                     PROGRAMS_PER_SM=2 if block_m == 16 else 1, WS=True)
     if block_m >= 64:
@@ -732,11 +734,12 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     batch, n_new, heads = shape
     fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
-    ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(cache, n_new * heads)
+    ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(cache)
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
-        from . import kernels_ws
+        from . import kernels_fp8, kernels_ws
 
-        cfg.update(BLOCK_M=kernels_ws.BLOCK_M, BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
+        cfg.update(BLOCK_M=kernels_fp8.block_rows(n_new * heads) if fp8 else kernels_ws.BLOCK_M,
+                   BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
@@ -771,14 +774,14 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
 
 
-def _ws_supported(cache, rows):
+def _ws_supported(cache):
     """Whether a warp-specialised Gluon kernel can run on this cache (the queries have its dtype or it is FP8:
-    api.mla_decode checks): kernels_ws.py for 16-bit caches, kernels_fp8.py for FP8 ones at ≤ 32 rows."""
+    api.mla_decode checks): kernels_ws.py for 16-bit caches, kernels_fp8.py for FP8 ones."""
     if not cache.is_cuda:
         return False
     from . import kernels_fp8, kernels_ws
 
-    return kernels_fp8.supported(cache, rows) if cache.dtype == torch.float8_e4m3fn else kernels_ws.supported(cache)
+    return kernels_fp8.supported(cache) if cache.dtype == torch.float8_e4m3fn else kernels_ws.supported(cache)
 
 
 def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int, per_sm: int,

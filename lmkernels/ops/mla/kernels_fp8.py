@@ -1,20 +1,22 @@
-"""MLA decode over an FP8 (e4m3) latent cache on Hopper, written in Gluon, for up to 32 rows (16 heads, one or two
-new tokens): the memory-bound shapes, where an FP8 cache should halve the time of a bf16 one.
+"""MLA decode over an FP8 (e4m3) latent cache on Hopper, written in Gluon: 16 or 32 rows (heads × new tokens) a
+program, m-blocks of 32 for more (128 heads).
 
 Why: the Triton kernel (kernels.py) dequantises each value to fp32, scales it, rounds it to 16 bits and stages the
 tile through shared memory again in each dot's layout, ~2.2x the work of a bf16 tile: FP8 ran at ~30% of copy,
-slower per call than bf16 (benchmarks/NOTES.md, issue 6, session v). Here:
-- a loader warp streams 64-key tiles (9 TMA pieces of 64 e4m3 columns) into STAGES stages;
-- one consumer warpgroup converts a tile to float16 in shared memory (e4m3 → f16 is exact, one cvt per two
-  values) scaled by ratio = scale / c, c the tile's largest scale (ratios ≤ 1: no f16 overflow), then computes the
-  scores transposed, Sᵀ = K · Qᵀ [64 keys, rows] (wgmma M is 64: keys, not the 16–32 rows, fill it), and
-  Oᵀ += Vᵀ · Pᵀ [512, rows] from the same f16 tile (A operand transposed), with c folded into the softmax scale and
-  into the accumulator's rescale (the accumulator holds O / c of the last tile);
-- q is stored as f16 after a power-of-two scale per row (its largest value → ≤ 2^14, undone in the softmax scale),
-  so a bf16 query of any range converts exactly (f16 keeps 11 significant bits, bf16 8).
-f16 operands (exact from e4m3) keep more precision than the Triton kernel's bf16 ones; P is f16 in [0, 1].
-Keys past the sequence end inside the last tile are zeroed in the f16 tile and their scales taken as 0 (the page
-may hold NaN there). Outputs, LSE, partials and the schedule as kernels_ws.py (one program a chunk, whole rows).
+slower per call than bf16 (benchmarks/NOTES.md, issue 6, sessions v and x). Here one program (an m-block of one
+sequence and one chunk of its keys, the schedule of kernels_ws.py) has three partitions:
+- a loader warp streams 64-key tiles by TMA into 2–3 stages (c_kv as 8 pieces of 64 columns, k_pe as 2 of 32);
+- two consumer warpgroups, each owning half of the columns (256 of c_kv, 32 of k_pe): it converts its half of a tile
+  to float16 in shared memory (e4m3 → f16 is exact; each value times scale / c, c the tile's largest scale, so
+  nothing overflows f16; keys past the sequence end zeroed as bytes: the page may hold NaN there), computes the
+  scores over its columns transposed, Sᵀ = K · Qᵀ [64 keys, rows] (wgmma M is 64: the keys, not the 16–32 rows,
+  fill it), adds the other warpgroup's partial scores through shared memory (one exchange a tile; both then run
+  the same softmax) and multiplies its own copy of Pᵀ by its own columns, Oᵀ += Vᵀ · Pᵀ [256, rows] (A transposed).
+  c is folded into the softmax scale and the accumulator's rescale (the accumulator holds O / c of the last tile).
+q is stored as f16 after a power-of-two scale per row (its largest value ≤ 2^14, undone in the softmax scale), so a
+bf16 query of any range converts exactly; with f16 operands (exact from e4m3) and f16 P in [0, 1] this keeps more
+precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 (NOTES, issue 6,
+session x): 16 heads 1.04–1.26x the bf16 cache, 1.6–2.1x the Triton FP8 kernel; 16 × 2 rows 1.0x the bf16 cache.
 Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
 this kernel with the reference on the GPU."""
 
@@ -30,7 +32,8 @@ from .kernels_ws import _add, _maximum, triton_ok
 from .schedule import ROW
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
-MAX_ROWS = 32  # rows (heads × new tokens) one program takes: the Oᵀ accumulator is 512 × rows fp32
+MAX_ROWS = 32  # rows (heads × new tokens) a program takes (more: m-blocks, each reading the tiles, from L2 after the
+# first); beside the f16 tile and 2 e4m3 stages, q of 64 rows would not fit
 N_SCALES = gl.constexpr(5)  # scales a cache row: 4 for c_kv (128 values each), 1 for k_pe
 Q_MAX_EXP = gl.constexpr(14.0)  # q rows scaled so that their largest |value| is ≤ 2^14 (f16 max 65504)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -102,12 +105,13 @@ def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
     """q rows (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory: this
     warpgroup's half of q_lat and of q_pe (both read the whole row for its largest value), then wait for the other
     half. Returns 2^-k per row (0-rows: 1)."""
-    qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+    qn_ptr, qp_ptr, b64, row0, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = \
+        q_args
     ROWS: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     PE_HALF: gl.constexpr = qp_smem.shape[1]
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+    r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
     row_ok = (r < n_new * heads)[:, None]
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
     e = gl.arange(0, PE_HALF, layout=gl.SliceLayout(0, ld))
@@ -137,8 +141,9 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
     ready, empty, q_bar, x_full, x_free = bars
     start, end, n_tiles, seq_len = span
-    n_new = q_args[3]
-    heads = q_args[4]
+    row0 = q_args[3]
+    n_new = q_args[4]
+    heads = q_args[5]
     ROWS: gl.constexpr = q_buf.shape[1]
     NSTAGE: gl.constexpr = f8c.shape[0]
     BLOCK_N: gl.constexpr = f8c.shape[1]
@@ -157,7 +162,7 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     inv_qs = gl.convert_layout(_load_q(q_args, q_buf.index(0), qp_buf.index(HALF_IDX), q_bar, HALF_IDX), col_layout)
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, ROWS, layout=col_layout)
+    cols = row0 + gl.arange(0, ROWS, layout=col_layout)
     pos = seq_len - n_new + cols // heads  # causal among the new tokens
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
     l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
@@ -235,7 +240,7 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     # each warpgroup stages its half of o in the f16 columns it owns
     staging = kfc_buf.index(0)._reinterpret(gl.float16, [2, BLOCK_N, HALF], gl.SwizzledSharedLayout(
         vec=1, per_phase=1, max_phase=1, order=[1, 0])).index(HALF_IDX)
-    _epilogue(acc, m_i, l_i, c_acc, out_args, n_new * heads, staging, HALF_IDX)
+    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, HALF_IDX)
 
 
 @gluon.jit
@@ -249,7 +254,7 @@ def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_siz
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, c_acc, out_args, rows, buf, HALF_IDX: gl.constexpr):
+def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, HALF_IDX: gl.constexpr):
     """This warpgroup's columns of o = c · acc / l (accᵀ), through shared memory (buf: [64, 256] 16-bit of the f16
     tile it owns) so that rows leave in 16-byte pieces; warpgroup 0 also the LSE. Rows go to the final output
     (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
@@ -267,14 +272,14 @@ def _epilogue(acc, m_i, l_i, c_acc, out_args, rows, buf, HALF_IDX: gl.constexpr)
     staged.permute((1, 0)).store(out)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
     out = staged.load(rows_layout)
-    o_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
+    o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
     o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
     row_ok = (o_rows < rows)[:, None]
     gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
     gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
              mask=row_ok & (not direct))
     if HALF_IDX == 0:
-        r = gl.arange(0, ROWS, layout=m_i.type.layout)
+        r = row0 + gl.arange(0, ROWS, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(lse_ptr + final_row0 + r, lse, mask=(r < rows) & direct)
         gl.store(pl_ptr + part_row0 + r, lse, mask=(r < rows) & (not direct))
@@ -293,7 +298,8 @@ def _mla_decode_fp8_kernel(
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    slot = gl.program_id(0)
+    m_block = gl.program_id(0)
+    slot = gl.program_id(1)
     if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
         row = sched_ptr + slot * SCHEDULE_ROW
         seq = gl.load(row)
@@ -338,8 +344,8 @@ def _mla_decode_fp8_kernel(
         mbarrier.init(x_free.index(i), count=1)
     n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + b64 * stride_bt
-    q_args = (qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt,
-              stride_qph)
+    q_args = (qn_ptr, qp_ptr, b64, m_block * ROWS, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb,
+              stride_qpt, stride_qph)
     smem = (q_smem, qp_smem, f8c, f8p, kfc, kfp, pt, sx)
     bars = (ready, empty, q_bar, x_full, x_free)
     rows = n_new * heads
@@ -366,24 +372,27 @@ def stages(rows):
     return 3 if rows <= 16 else 2
 
 
-def supported(cache, rows):
-    """Hopper (sm_90), an e4m3 cache in pages holding whole key tiles, TMA-aligned, ≤ MAX_ROWS rows, a checked
-    triton."""
+def block_rows(rows):
+    """Rows (heads × new tokens) a program takes: 16 or 32 (more rows: m-blocks of 32)."""
+    return min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+
+
+def supported(cache):
+    """Hopper (sm_90), an e4m3 cache in pages holding whole key tiles, TMA-aligned, a checked triton."""
     return (cache.is_cuda and triton_ok() and torch.cuda.get_device_capability(cache.device) == (9, 0)
-            and cache.dtype == torch.float8_e4m3fn and rows <= MAX_ROWS
-            and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
+            and cache.dtype == torch.float8_e4m3fn and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
 def mla_decode_fp8(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
                    qk_scale, slots, pdl=False, merge_pdl=False):
-    """Launch over slots, as kernels_ws.mla_decode_ws (one m-block: all rows in one program)."""
+    """Launch over (m-blocks of block_rows rows, slots), as kernels_ws.mla_decode_ws."""
     batch, n_new, heads, _ = q_nope.shape
-    rows = n_new * heads
-    _mla_decode_fp8_kernel[(slots,)](
+    block = block_rows(n_new * heads)
+    _mla_decode_fp8_kernel[(triton.cdiv(n_new * heads, block), slots)](
         q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
-        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=BLOCK_N, NSTAGE=stages(rows), USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=block,
+        BLOCK_N=BLOCK_N, NSTAGE=stages(block), USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
