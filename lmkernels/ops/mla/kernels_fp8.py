@@ -25,10 +25,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_ws import _add, _maximum, triton_ok
+from .kernels_ws import _add, _maximum, _slot_chunk, triton_ok
 from .schedule import ROW
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -49,7 +49,7 @@ def _tile_row(bt_row, n, end, page_size):
 @gluon.jit
 def _loader(c_ptr, bt_row, f8c, f8p, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
             LATE_TRIGGER: gl.constexpr):
-    """Tile t into stage t % STAGES: the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces of 32 (one for
+    """Tile t into stage t % NSTAGE: the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces of 32 (one for
     each consumer warpgroup), one barrier a stage."""
     NSTAGE: gl.constexpr = f8c.shape[0]
     BLOCK_N: gl.constexpr = f8c.shape[1]
@@ -134,8 +134,8 @@ def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
 
 @gluon.jit
 def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
-    """Warpgroup HALF_IDX converts its half of each tile's c_kv (warpgroup 0 also k_pe), computes the scores over
-    those columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ and run the same
+    """Warpgroup HALF_IDX converts its half of each tile's c_kv and of its k_pe, computes the scores over those
+    columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ and run the same
     softmax: no further exchange) and multiplies its own P copy by its own columns into its half of Oᵀ. So each
     warpgroup reads only the f16 columns it wrote, and a tile costs one exchange between them."""
     q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
@@ -234,6 +234,7 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
         acc = acc * (alpha * c_acc / c)[None, :]
         c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * c
         acc = warpgroup_mma(kfc.slice(HALF_IDX * HALF, HALF, dim=1).permute((1, 0)), pt, acc, is_async=True)
+        # waited here: left in flight into the next tile, ptxas serialised every wgmma of the kernel (C7515)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         sc = sc_next
     l_i = gl.reduce(l_k, 0, _add)
@@ -300,21 +301,9 @@ def _mla_decode_fp8_kernel(
             gdc_launch_dependents()
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
-    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
-        row = sched_ptr + slot * SCHEDULE_ROW
-        seq = gl.load(row)
-        seq_len = gl.load(row + 1)
-        start = gl.load(row + 2)
-        end = gl.load(row + 3)
-        direct = gl.load(row + 4) == 1
-        if seq < 0:  # a spare slot
-            return
-    else:
-        seq = slot
-        seq_len = gl.load(len_ptr + seq).to(gl.int32)
-        start = 0
-        end = seq_len
-        direct = True
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    if seq < 0:  # a spare slot
+        return
     b64 = seq.to(gl.int64)
     f8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     f16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)

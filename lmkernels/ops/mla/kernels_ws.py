@@ -329,6 +329,17 @@ def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
 
 
 @gluon.jit
+def _slot_chunk(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    """(sequence, its length, first key, end key, direct) of a slot: as kernels._mla_decode_kernel, its row of the
+    schedule (SPLIT; sequence < 0: a spare slot), else the whole sequence `slot`."""
+    if SPLIT:
+        row = sched_ptr + slot * SCHEDULE_ROW
+        return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4) == 1
+    seq_len = gl.load(len_ptr + slot).to(gl.int32)
+    return slot, seq_len, 0, seq_len, True
+
+
+@gluon.jit
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
@@ -343,21 +354,9 @@ def _mla_decode_ws_kernel(
             gdc_launch_dependents()
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
-    if SPLIT:  # as kernels._mla_decode_kernel: the slot's chunk, from its row of the schedule
-        row = sched_ptr + slot * SCHEDULE_ROW
-        seq = gl.load(row)
-        seq_len = gl.load(row + 1)
-        start = gl.load(row + 2)
-        end = gl.load(row + 3)
-        direct = gl.load(row + 4) == 1
-        if seq < 0:  # a spare slot
-            return
-    else:
-        seq = slot
-        seq_len = gl.load(len_ptr + seq).to(gl.int32)
-        start = 0
-        end = seq_len
-        direct = True
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    if seq < 0:  # a spare slot
+        return
     b64 = seq.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
