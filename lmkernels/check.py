@@ -262,7 +262,7 @@ def _mla_cases(big, dev, dt):
     yield ("write_latent_cache(fp8)", kv.shape, lambda: write8(mla.write_latent_cache),
            lambda: write8(ref.write_latent_cache))
     mla.write_latent_cache(kv, w, cs, pos, slots, c8, cache_scales=s8)
-    for heads, n_new in ((16, 1), (16, 2), (128, 1)) if big else ((16, 1),):  # ≤ 32 rows: Gluon on Hopper
+    for heads, n_new in ((16, 1), (16, 2), (128, 1)) if big else ((16, 1),):  # Gluon on Hopper (kernels_fp8)
         qn = torch.randn(len(ctx), n_new, heads, 512, device=dev, dtype=dt)
         qp = torch.randn(len(ctx), n_new, heads, 64, device=dev, dtype=dt)
         yield (f"mla_decode({heads} heads{', q 2' if n_new == 2 else ''}, fp8 cache)", qn.shape,
