@@ -249,25 +249,27 @@ def test_warp_specialised_kernel_compiles_for_hopper():
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_fp8_kernel_compiles_for_hopper():
-    """The FP8 Gluon kernel (16 and 32 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its two
-    warpgroups' halves: each scores over 256 c_kv columns and 32 of k_pe (16 + 2 wgmma of K = 16) and multiplies P by
-    its 256 columns (4 m64 blocks × 4 key steps); TMA messages: 8 c_kv pieces of 64 columns and 2 k_pe halves; in one
-    SM's shared memory, without spilling (the z index in _consumer keeps the wgmma descriptors out of the loop
-    preheader)."""
+    """The FP8 Gluon kernel (16, 32 and 64 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its two
+    warpgroups' shares. Up to 32 rows column halves: each scores over 256 c_kv columns and 32 of k_pe (16 + 2 wgmma
+    of K = 16) and multiplies P by its 256 columns (4 m64 blocks × 4 key steps). At 64 rows row halves: each scores
+    its 32 rows over all 576 columns (32 + 4) and multiplies P by all 512 columns (8 m64 blocks × 4 key steps). TMA
+    messages: 8 c_kv pieces of 64 columns and 2 k_pe halves; in one SM's shared memory, without spilling (the z
+    index keeps the wgmma descriptors out of the loop preheader; at 64 rows a few scalars, 16 bytes)."""
     C = "lmkernels.ops.mla.compile_check"
-    for r in compile_in_fresh_process(f"[{C}.fp8(16, True, 'bf16'), {C}.fp8(32, False, 'fp16')]"):
-        assert r["wgmma"] == 2 * (16 + 2 + 16) and r["tma"] == 8 + 2 and r["mma"] == 0, r
-        assert r["smem_kb"] <= 227 and r["stack"] == 0, r
+    built = compile_in_fresh_process(f"[{C}.fp8(16, True, 'bf16'), {C}.fp8(32, False, 'fp16'), {C}.fp8(64)]")
+    for r, wgmma, stack in zip(built, (16 + 2 + 16, 16 + 2 + 16, 32 + 4 + 32), (0, 0, 16)):
+        assert r["wgmma"] == 2 * wgmma and r["tma"] == 8 + 2 and r["mma"] == 0, r
+        assert r["smem_kb"] <= 227 and r["stack"] <= stack, r
 
 
 def test_warp_specialised_kernel_chosen_for_hopper_only():
-    """32 rows and more of a 16-bit cache, and every row count of an FP8 one (16 or 32 rows a program, m-blocks of
-    32 above), in whole-tile pages take a Gluon kernel on an sm_90 GPU; everything else (16 rows of a 16-bit cache,
+    """32 rows and more of a 16-bit cache, and every row count of an FP8 one (16, 32 or 64 rows a program, m-blocks
+    of 64 above), in whole-tile pages take a Gluon kernel on an sm_90 GPU; everything else (16 rows of a 16-bit cache,
     CPU, the interpreter, page sizes that split a 64-key tile) the Triton kernel with its own tiles."""
     assert kernels.decode_config(128)["WS"] and kernels.decode_config(32)["WS"]
     assert not kernels.decode_config(16).get("WS")
     assert all(kernels.decode_config(rows, fp8=True)["WS"] for rows in (16, 32, 128))
-    assert [kernels_fp8.block_rows(r) for r in (8, 16, 24, 32, 128)] == [16, 16, 32, 32, 32]
+    assert [kernels_fp8.block_rows(r) for r in (8, 16, 24, 32, 40, 64, 128)] == [16, 16, 32, 32, 64, 64, 64]
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert not kernels_ws.supported(cache) and not kernels._ws_supported(cache)
     assert not kernels_fp8.supported(cache.to(torch.float8_e4m3fn))

@@ -42,7 +42,7 @@ def ws(split=True, dtype="bf16"):
 
 
 def fp8(rows=16, split=True, dtype="bf16"):
-    """The FP8 Gluon kernel (kernels_fp8.py) at `rows` (16 or 32), as mla_decode launches it on Hopper."""
+    """The FP8 Gluon kernel (kernels_fp8.py) at `rows` (16, 32 or 64), as mla_decode launches it on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_fp8 as F
@@ -89,7 +89,7 @@ def main(argv=None):
                                                                                        sched_ptr="*i32"), rce, 8, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
-    for rows in (16, 32):
+    for rows in (16, 32, 64):
         _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))
     _show("mla decode rows 16 with PDL (griddepcontrol)", r)

@@ -1,22 +1,30 @@
-"""MLA decode over an FP8 (e4m3) latent cache on Hopper, written in Gluon: 16 or 32 rows (heads × new tokens) a
-program, m-blocks of 32 for more (128 heads).
+"""MLA decode over an FP8 (e4m3) latent cache on Hopper, written in Gluon: 16, 32 or 64 rows (heads × new tokens) a
+program, m-blocks of 64 for more (128 heads).
 
 Why: the Triton kernel (kernels.py) dequantises each value to fp32, scales it, rounds it to 16 bits and stages the
 tile through shared memory again in each dot's layout, ~2.2x the work of a bf16 tile: FP8 ran at ~30% of copy,
 slower per call than bf16 (benchmarks/NOTES.md, issue 6, sessions v and x). Here one program (an m-block of one
 sequence and one chunk of its keys, the schedule of kernels_ws.py) has three partitions:
 - a loader warp streams 64-key tiles by TMA into 2–3 stages (c_kv as 8 pieces of 64 columns, k_pe as 2 of 32);
-- two consumer warpgroups, each owning half of the columns (256 of c_kv, 32 of k_pe): it converts its half of a tile
-  to float16 in shared memory (e4m3 → f16 is exact; each value times scale / c, c the tile's largest scale, so
-  nothing overflows f16; keys past the sequence end zeroed as bytes: the page may hold NaN there), computes the
-  scores over its columns transposed, Sᵀ = K · Qᵀ [64 keys, rows] (wgmma M is 64: the keys, not the 16–32 rows,
-  fill it), adds the other warpgroup's partial scores through shared memory (one exchange a tile; both then run
-  the same softmax) and multiplies its own copy of Pᵀ by its own columns, Oᵀ += Vᵀ · Pᵀ [256, rows] (A transposed).
-  c is folded into the softmax scale and the accumulator's rescale (the accumulator holds O / c of the last tile).
+- two consumer warpgroups, each converting half of a tile's columns (256 of c_kv, 32 of k_pe) to float16 in
+  shared memory (e4m3 → f16 is exact; each value times scale / c, c the tile's largest scale, so nothing overflows
+  f16; keys past the sequence end zeroed as bytes: the page may hold NaN there). Scores and P · V are computed
+  transposed, Sᵀ = K · Qᵀ [64 keys, rows] (wgmma M is 64: the keys, not the 16–32 rows, fill it) and
+  Oᵀ += Vᵀ · Pᵀ (A transposed). c is folded into the softmax scale and the accumulator's rescale (the accumulator
+  holds O / c of the last tile). How the warpgroups share the rest:
+  - up to 32 rows (_consumer_cols), by columns: each scores over its own columns, adds the other's partial scores
+    through shared memory (one exchange a tile; both then run the same softmax) and multiplies its own copy of Pᵀ
+    by its own columns, Oᵀ [256, rows];
+  - 64 rows (_consumer_rows), by rows: both wait until the tile is converted, then each scores its own 32 rows
+    over all columns, runs their softmax and accumulates Oᵀ [512, 32]; the next conversion waits until both are
+    done with the tile. Beside q of 64 rows, the f16 tile and 2 e4m3 stages, the column split's score exchange
+    would not fit; this way a tile is converted once for 64 heads, not once for each 32 (session y: 1.3–1.8x).
 q is stored as f16 after a power-of-two scale per row (its largest value ≤ 2^14, undone in the softmax scale), so a
 bf16 query of any range converts exactly; with f16 operands (exact from e4m3) and f16 P in [0, 1] this keeps more
-precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 (NOTES, issue 6,
-session x): 16 heads 1.04–1.26x the bf16 cache, 1.6–2.1x the Triton FP8 kernel; 16 × 2 rows 1.0x the bf16 cache.
+precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 against ours on a
+bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 128 heads 0.6–0.75x
+(compute-bound there: the conversion and a tile's shared-memory traffic come on top of the same wgmma work); 1.3–2.1x
+the Triton FP8 kernel.
 Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
 this kernel with the reference on the GPU."""
 
@@ -32,8 +40,9 @@ from .kernels_ws import _add, _maximum, _slot_chunk, triton_ok
 from .schedule import ROW
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
-MAX_ROWS = 32  # rows (heads × new tokens) a program takes (more: m-blocks, each reading the tiles, from L2 after the
-# first); beside the f16 tile and 2 e4m3 stages, q of 64 rows would not fit
+MAX_ROWS = 64  # rows (heads × new tokens) a program takes (more: m-blocks, each reading the tiles, from L2 after the
+# first); q of 64 rows, the f16 tile and 2 e4m3 stages take 216 KB
+MAX_COLS_ROWS = gl.constexpr(32)  # up to this many rows a program the warpgroups split the columns, above the rows
 N_SCALES = gl.constexpr(5)  # scales a cache row: 4 for c_kv (128 values each), 1 for k_pe
 Q_MAX_EXP = gl.constexpr(14.0)  # q rows scaled so that their largest |value| is ≤ 2^14 (f16 max 65504)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -101,15 +110,42 @@ def _dequant_piece(src, dst, ratio, keep, layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
-    """q rows (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory: this
-    warpgroup's half of q_lat and of q_pe (both read the whole row for its largest value), then wait for the other
-    half. Returns 2^-k per row (0-rows: 1)."""
-    qn_ptr, qp_ptr, b64, row0, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = \
-        q_args
+def _convert_half(f8c_s, f8p_s, kfc, kfp, sc, n0, end, HALF_IDX: gl.constexpr):
+    """Warpgroup HALF_IDX's half of the e4m3 tile in stage f8c_s (c_kv columns [256 · HALF_IDX, +256); f8p_s: its
+    half of k_pe) into the f16 tile kfc / kfp as value · scale / c, c the tile's largest scale (returned: the f16
+    tile holds K / c). sc: the tile's scales (_tile_scales); keys past the end zeroed."""
+    BLOCK_N: gl.constexpr = f8c_s.shape[0]
+    HALF: gl.constexpr = f8c_s.shape[1] // 2
+    GROUP: gl.constexpr = 128  # values a scale
+    # 16 e4m3 (16 bytes) a thread, a warp's quarter on one 64-byte row piece (no bank conflicts); [64, 128] and
+    # [64, 64] pieces alike
+    dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    dq_pe: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [64, 32]: the same keys a thread
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))
+    big = gl.maximum(gl.maximum(gl.maximum(sc[0], sc[1]), gl.maximum(sc[2], sc[3])), sc[4])
+    c = gl.reduce(big, 0, _maximum)
+    c = gl.where(c > 0.0, c, 1.0)
+    inv_c = 1.0 / c
+    keep = gl.where(n0 + keys < end, -1, 0)
+    # a scale group (128 columns) at a time: the compiler puts a barrier between stores into one buffer
+    for g in gl.static_range(HALF_IDX * HALF // GROUP, (HALF_IDX + 1) * HALF // GROUP):
+        _dequant_piece(f8c_s.slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
+                       (sc[g] * inv_c).to(gl.float16), keep, dq)
+    _dequant_piece(f8p_s, kfp, gl.convert_layout((sc[4] * inv_c).to(gl.float16), gl.SliceLayout(1, dq_pe)),
+                   gl.convert_layout(keep, gl.SliceLayout(1, dq_pe)), dq_pe)
+    return c
+
+
+@gluon.jit
+def _load_q(q_args, row0, q_smem, qp_own, qp_other, q_bar, HALF_IDX: gl.constexpr, ALL_COLUMNS: gl.constexpr):
+    """q rows row0 … (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory (its
+    largest value ≤ 2^14: the whole row is read). ALL_COLUMNS: all of q_lat, and q_pe's halves into qp_own (half
+    HALF_IDX) and qp_other; else this warpgroup's half of q_lat and of q_pe (qp_own), then wait for the other
+    warpgroup's half. Returns 2^-k per row (0-rows: 1)."""
+    qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
     ROWS: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
-    PE_HALF: gl.constexpr = qp_smem.shape[1]
+    PE_HALF: gl.constexpr = qp_own.shape[1]
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
     row_ok = (r < n_new * heads)[:, None]
@@ -125,45 +161,56 @@ def _load_q(q_args, q_smem, qp_smem, q_bar, HALF_IDX: gl.constexpr):
                       gl.maximum(gl.reduce(gl.abs(own_pe), 1, _maximum), gl.reduce(gl.abs(other_pe), 1, _maximum)))
     k = gl.where(amax > 0.0, Q_MAX_EXP - gl.ceil(gl.log2(amax)), 0.0)
     q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store((own * gl.exp2(k)[:, None]).to(gl.float16))
-    qp_smem.store((own_pe * gl.exp2(k)[:, None]).to(gl.float16))
-    fence_async_shared()
-    mbarrier.arrive(q_bar)
-    mbarrier.wait(q_bar, 0)
+    qp_own.store((own_pe * gl.exp2(k)[:, None]).to(gl.float16))
+    if ALL_COLUMNS:
+        q_smem.slice((1 - HALF_IDX) * HALF, HALF, dim=1).store((other * gl.exp2(k)[:, None]).to(gl.float16))
+        qp_other.store((other_pe * gl.exp2(k)[:, None]).to(gl.float16))
+        fence_async_shared()
+    else:
+        fence_async_shared()
+        mbarrier.arrive(q_bar)
+        mbarrier.wait(q_bar, 0)
     return gl.exp2(-k)
 
 
 @gluon.jit
-def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
-    """Warpgroup HALF_IDX converts its half of each tile's c_kv and of its k_pe, computes the scores over those
-    columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ and run the same
-    softmax: no further exchange) and multiplies its own P copy by its own columns into its half of Oᵀ. So each
-    warpgroup reads only the f16 columns it wrote, and a tile costs one exchange between them."""
+def _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, scale):
+    """Online softmax of a transposed tile Sᵀ [keys, rows] in base 2 (scale: per row; keys past the end or after a
+    row's own position masked): Pᵀ, the new row max, the per-key-slot sums and the old max's rescale factor."""
+    kn = n0 + offs_n
+    x = gl.where((kn[:, None] < end) & (kn[:, None] <= pos[None, :]), st * scale[None, :], float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(x, 0, _maximum))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(x - m_use[None, :])
+    alpha = gl.exp2(m_i - m_use)
+    return p, m_new, l_k * alpha[None, :] + p, alpha
+
+
+@gluon.jit
+def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
+    """16 or 32 rows a program. Warpgroup HALF_IDX converts its half of each tile's c_kv and of its k_pe, computes
+    the scores over those columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ
+    and run the same softmax: no further exchange) and multiplies its own P copy by its own columns into its half
+    of Oᵀ. So each warpgroup reads only the f16 columns it wrote, and a tile costs one exchange between them."""
     q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
     ready, empty, q_bar, x_full, x_free = bars
-    start, end, n_tiles, seq_len = span
-    row0 = q_args[3]
-    n_new = q_args[4]
-    heads = q_args[5]
+    start, end, n_tiles, seq_len, row0 = span
+    n_new = q_args[3]
+    heads = q_args[4]
     ROWS: gl.constexpr = q_buf.shape[1]
     NSTAGE: gl.constexpr = f8c.shape[0]
     BLOCK_N: gl.constexpr = f8c.shape[1]
     KV_LORA: gl.constexpr = f8c.shape[2]
     HALF: gl.constexpr = KV_LORA // 2
-    PE_HALF: gl.constexpr = f8p.shape[2]
     PIECE: gl.constexpr = 64  # columns a score wgmma
-    GROUP: gl.constexpr = 128  # values a scale
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
-    # 16 e4m3 (16 bytes) a thread, a warp's quarter on one 64-byte row piece (no bank conflicts); [64, 128] and
-    # [64, 64] pieces alike
-    dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    dq_pe: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [64, 32]: the same keys a thread
-    inv_qs = gl.convert_layout(_load_q(q_args, q_buf.index(0), qp_buf.index(HALF_IDX), q_bar, HALF_IDX), col_layout)
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))
+    inv_qs = gl.convert_layout(_load_q(q_args, row0, q_buf.index(0), qp_buf.index(HALF_IDX), qp_buf.index(HALF_IDX),
+                                       q_bar, HALF_IDX, False), col_layout)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    cols = row0 + gl.arange(0, ROWS, layout=col_layout)
-    pos = seq_len - n_new + cols // heads  # causal among the new tokens
+    pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
     l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
     c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)  # acc holds O / c_acc
@@ -177,24 +224,13 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
         n0 = start + t * BLOCK_N
         sc_next = _tile_scales(s_ptr, row_next, n0 + BLOCK_N, end, keys)
         row_next = _tile_row(bt_row, n0 + 2 * BLOCK_N, end, page_size)
-        big = gl.maximum(gl.maximum(gl.maximum(sc[0], sc[1]), gl.maximum(sc[2], sc[3])), sc[4])
-        c = gl.reduce(big, 0, _maximum)
-        c = gl.where(c > 0.0, c, 1.0)
-        inv_c = 1.0 / c
-        keep = gl.where(n0 + keys < end, -1, 0)
         mbarrier.wait(ready.index(s), (t // NSTAGE) & 1)
         # the f16 buffers indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the
         # wgmma descriptors of these fixed buffers once before the loop and spills them
         z = n0 >> 31  # n0 ≥ 0
         kfc = kfc_buf.index(z)
         kfp = kfp_buf.index(2 * z + HALF_IDX)
-        # a scale group (128 columns) at a time: the compiler puts a barrier between stores into one buffer
-        for g in gl.static_range(HALF_IDX * HALF // GROUP, (HALF_IDX + 1) * HALF // GROUP):
-            _dequant_piece(f8c.index(s).slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
-                           (sc[g] * inv_c).to(gl.float16), keep, dq)
-        _dequant_piece(f8p.index(2 * s + HALF_IDX), kfp,
-                       gl.convert_layout((sc[4] * inv_c).to(gl.float16), gl.SliceLayout(1, dq_pe)),
-                       gl.convert_layout(keep, gl.SliceLayout(1, dq_pe)), dq_pe)
+        c = _convert_half(f8c.index(s), f8p.index(2 * s + HALF_IDX), kfc, kfp, sc, n0, end, HALF_IDX)
         mbarrier.arrive(empty.index(s))
         fence_async_shared()
         q_smem = q_buf.index(z)
@@ -219,15 +255,7 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
         mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
         st = st + sx.index(1 - HALF_IDX).load(s_layout)
         mbarrier.arrive(x_free.index(1 - HALF_IDX))
-        kn = n0 + offs_n
-        x = gl.where((kn[:, None] < end) & (kn[:, None] <= pos[None, :]), st * (c * qk_scale * inv_qs)[None, :],
-                     float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(x, 0, _maximum))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(x - m_use[None, :])
-        alpha = gl.exp2(m_i - m_use)
-        l_k = l_k * alpha[None, :] + p
-        m_i = m_new
+        p, m_i, l_k, alpha = _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, c * qk_scale * inv_qs)
         pt = pt_buf.index(2 * z + HALF_IDX)
         pt.store(p.to(gl.float16))
         fence_async_shared()
@@ -241,45 +269,128 @@ def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_s
     # each warpgroup stages its half of o in the f16 columns it owns
     staging = kfc_buf.index(0)._reinterpret(gl.float16, [2, BLOCK_N, HALF], gl.SwizzledSharedLayout(
         vec=1, per_phase=1, max_phase=1, order=[1, 0])).index(HALF_IDX)
-    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, HALF_IDX)
+    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+
+
+@gluon.jit
+def _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
+    """64 rows a program (128 heads: half the conversions of 32-row blocks), 32 a warpgroup. Both warpgroups
+    convert their column half of a tile into the one f16 tile and wait for each other; then warpgroup HALF_IDX
+    computes the scores of its own rows over all columns, their softmax and Oᵀ [512, its 32 rows] += Vᵀ · Pᵀ, and
+    frees the f16 tile (the next conversion waits until both have). No scores exchanged."""
+    q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
+    ready, empty, q_bar, converted, tile_free = bars
+    start, end, n_tiles, seq_len, row0 = span
+    n_new = q_args[3]
+    heads = q_args[4]
+    ROWS: gl.constexpr = q_buf.shape[1]  # this warpgroup's
+    NSTAGE: gl.constexpr = f8c.shape[0]
+    BLOCK_N: gl.constexpr = f8c.shape[1]
+    KV_LORA: gl.constexpr = f8c.shape[2]
+    PIECE: gl.constexpr = 64  # columns a score wgmma
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
+    row0 = row0 + HALF_IDX * ROWS
+    inv_qs = gl.convert_layout(_load_q(q_args, row0, q_buf.index(HALF_IDX), qp_buf.index(3 * HALF_IDX),
+                                       qp_buf.index(1 + HALF_IDX), q_bar, HALF_IDX, True), col_layout)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
+    l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
+    c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)  # acc holds O / c_acc
+    acc = gl.zeros([KV_LORA, ROWS], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
+    sc = _tile_scales(s_ptr, _tile_row(bt_row, start, end, page_size), start, end, keys)
+    row_next = _tile_row(bt_row, start + BLOCK_N, end, page_size)
+    for t in range(n_tiles):
+        s = t % NSTAGE
+        n0 = start + t * BLOCK_N
+        ph = t & 1
+        sc_next = _tile_scales(s_ptr, row_next, n0 + BLOCK_N, end, keys)
+        row_next = _tile_row(bt_row, n0 + 2 * BLOCK_N, end, page_size)
+        mbarrier.wait(ready.index(s), (t // NSTAGE) & 1)
+        z = n0 >> 31  # as in _consumer_cols
+        kfc = kfc_buf.index(z)
+        mbarrier.wait(tile_free, ph ^ 1)  # both done with the last tile (fresh barriers count as released)
+        c = _convert_half(f8c.index(s), f8p.index(2 * s + HALF_IDX), kfc, kfp_buf.index(2 * z + HALF_IDX), sc, n0,
+                          end, HALF_IDX)
+        mbarrier.arrive(empty.index(s))
+        fence_async_shared()
+        mbarrier.arrive(converted)
+        mbarrier.wait(converted, ph)
+        q_smem = q_buf.index(z + HALF_IDX)
+        st_a = s_zero
+        st_b = s_zero
+        for j in gl.static_range(0, KV_LORA // PIECE, 2):
+            st_a = warpgroup_mma(kfc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
+                (1, 0)), st_a, use_acc=j > 0, is_async=True)
+            st_b = warpgroup_mma(kfc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
+                (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > 0, is_async=True)
+        st_a = warpgroup_mma(kfp_buf.index(2 * z), qp_buf.index(2 * (z + HALF_IDX)).permute((1, 0)), st_a,
+                             is_async=True)
+        st_b = warpgroup_mma(kfp_buf.index(2 * z + 1), qp_buf.index(2 * (z + HALF_IDX) + 1).permute((1, 0)), st_b,
+                             is_async=True)
+        st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
+        p, m_i, l_k, alpha = _softmax_t(st_a + st_b, m_i, l_k, n0, end, pos, offs_n, c * qk_scale * inv_qs)
+        pt = pt_buf.index(2 * z + HALF_IDX)
+        pt.store(p.to(gl.float16))
+        fence_async_shared()
+        acc = acc * (alpha * c_acc / c)[None, :]
+        c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * c
+        acc = warpgroup_mma(kfc.permute((1, 0)), pt, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # as in _consumer_cols
+        mbarrier.arrive(tile_free)
+        sc = sc_next
+    l_i = gl.reduce(l_k, 0, _add)
+    # o staged in an e4m3 stage (32 KB each): every tile is converted by now, and no load is pending
+    staging = f8c.index(HALF_IDX)._reinterpret(gl.float16, [ROWS, KV_LORA], gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, 0, KV_LORA, True)
 
 
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
-    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+    if smem[0].shape[0] == 2:  # q in two row blocks: _consumer_rows
+        _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+    else:
+        _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
 
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
-    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
+    if smem[0].shape[0] == 2:  # q in two row blocks: _consumer_rows
+        _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
+    else:
+        _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, HALF_IDX: gl.constexpr):
-    """This warpgroup's columns of o = c · acc / l (accᵀ), through shared memory (buf: [64, 256] 16-bit of the f16
-    tile it owns) so that rows leave in 16-byte pieces; warpgroup 0 also the LSE. Rows go to the final output
-    (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
+def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, col0, KV_LORA: gl.constexpr, LSE: gl.constexpr):
+    """o = c · acc / l (accᵀ: columns [col0, +acc.shape[0]) of this warpgroup's rows) through shared memory (buf: at
+    least [rows, columns] 16-bit) so that rows leave in 16-byte pieces; LSE: also the rows' LSE. Rows go to the
+    final output (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
-    HALF: gl.constexpr = acc.shape[0]
+    COLS: gl.constexpr = acc.shape[0]
     ROWS: gl.constexpr = acc.shape[1]
-    KV_LORA: gl.constexpr = 2 * HALF
     o_dtype: gl.constexpr = o_ptr.dtype.element_ty
     VEC: gl.constexpr = 16 // (o_dtype.primitive_bitwidth // 8)
     empty_rows = l_i == 0.0
     l_safe = gl.where(empty_rows, 1.0, l_i)
     out = (acc * (c_acc / l_safe)[None, :]).to(o_dtype)
-    staged = buf._reinterpret(o_dtype, [ROWS, HALF], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+    staged = buf._reinterpret(o_dtype, [ROWS, COLS], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                                               order=[1, 0]))
     staged.permute((1, 0)).store(out)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
     out = staged.load(rows_layout)
     o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
-    o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+    o_cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, rows_layout))
     row_ok = (o_rows < rows)[:, None]
     gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
     gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
              mask=row_ok & (not direct))
-    if HALF_IDX == 0:
+    if LSE:
         r = row0 + gl.arange(0, ROWS, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(lse_ptr + final_row0 + r, lse, mask=(r < rows) & direct)
@@ -305,41 +416,55 @@ def _mla_decode_fp8_kernel(
     if seq < 0:  # a spare slot
         return
     b64 = seq.to(gl.int64)
-    f8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    ROW_SPLIT: gl.constexpr = ROWS > MAX_COLS_ROWS  # _consumer_rows, else _consumer_cols
+    W_ROWS: gl.constexpr = ROWS // 2 if ROW_SPLIT else ROWS  # rows a warpgroup's wgmma take (their N)
     f16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)  # [1, …]: see _consumer's z
     f16_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
-    f8_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE // 2, element_bitwidth=8, rank=2)
-    qp_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROPE // 2], f16_pe)  # a half for each warpgroup
-    f8c = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, KV_LORA], f8)
-    f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [2 * NSTAGE, BLOCK_N, ROPE // 2], f8_pe)
+    p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * W_ROWS, element_bitwidth=16, rank=2)
+    if ROW_SPLIT:  # a warpgroup's rows, all columns; q_pe as [warpgroup · 2 + half]
+        q_smem = gl.allocate_shared_memory(gl.float16, [2, W_ROWS, KV_LORA], f16)
+        qp_smem = gl.allocate_shared_memory(gl.float16, [4, W_ROWS, ROPE // 2], f16_pe)
+    else:  # [1, …]: see _consumer_cols's z; q_pe a half for each warpgroup
+        q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)
+        qp_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROPE // 2], f16_pe)
+    f8c = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, KV_LORA], gl.NVMMASharedLayout(
+        swizzle_byte_width=64, element_bitwidth=8, rank=2))
+    f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [2 * NSTAGE, BLOCK_N, ROPE // 2], gl.NVMMASharedLayout(
+        swizzle_byte_width=ROPE // 2, element_bitwidth=8, rank=2))
     kfc = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, KV_LORA], f16)
     kfp = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE // 2], f16_pe)
-    pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS], p16)  # each warpgroup's copy of Pᵀ
-    sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], flat)  # each warpgroup's partial Sᵀ
+    pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, W_ROWS], p16)  # each warpgroup's Pᵀ
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSTAGE):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both warpgroups convert their half
     mbarrier.init(q_bar, count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(x_full.index(i), count=1)
-        mbarrier.init(x_free.index(i), count=1)
+    if ROW_SPLIT:  # the f16 tile converted by both; freed by both
+        sx = pt  # (unused: no score exchange)
+        converted = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(converted, count=2)
+        mbarrier.init(tile_free, count=2)
+        bars = (ready, empty, q_bar, converted, tile_free)
+    else:  # each warpgroup's partial Sᵀ, and their barriers
+        sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(x_full.index(i), count=1)
+            mbarrier.init(x_free.index(i), count=1)
+        bars = (ready, empty, q_bar, x_full, x_free)
     n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + b64 * stride_bt
-    q_args = (qn_ptr, qp_ptr, b64, m_block * ROWS, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb,
-              stride_qpt, stride_qph)
+    q_args = (qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt,
+              stride_qph)
     smem = (q_smem, qp_smem, f8c, f8p, kfc, kfp, pt, sx)
-    bars = (ready, empty, q_bar, x_full, x_free)
     rows = n_new * heads
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
-    span = (start, end, n_tiles, seq_len)
+    span = (start, end, n_tiles, seq_len, m_block * ROWS)
     args = (q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale)
     gl.warp_specialize([
         (_consumer_default, args),
@@ -357,12 +482,12 @@ CONSUMER_REGS = gl.constexpr(240)
 
 def stages(rows):
     """e4m3 tiles in flight (36 KB each): beside the f16 tile (72 KB), q and the exchange buffers, 3 fit at 16
-    rows (215 KB), 2 at 32 (209 KB)."""
+    rows (215 KB), 2 at 32 (209 KB) and 64 (224 KB)."""
     return 3 if rows <= 16 else 2
 
 
 def block_rows(rows):
-    """Rows (heads × new tokens) a program takes: 16 or 32 (more rows: m-blocks of 32)."""
+    """Rows (heads × new tokens) a program takes: 16, 32 or 64 (more rows: m-blocks of 64)."""
     return min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
 
 
