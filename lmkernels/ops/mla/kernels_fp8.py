@@ -15,16 +15,18 @@ sequence and one chunk of its keys, the schedule of kernels_ws.py) has three par
   - up to 32 rows (_consumer_cols), by columns: each scores over its own columns, adds the other's partial scores
     through shared memory (one exchange a tile; both then run the same softmax) and multiplies its own copy of Pᵀ
     by its own columns, Oᵀ [256, rows];
-  - 64 rows (_consumer_rows), by rows: both wait until the tile is converted, then each scores its own 32 rows
-    over all columns, runs their softmax and accumulates Oᵀ [512, 32]; the next conversion waits until both are
-    done with the tile. Beside q of 64 rows, the f16 tile and 2 e4m3 stages, the column split's score exchange
-    would not fit; this way a tile is converted once for 64 heads, not once for each 32 (session y: 1.3–1.8x).
+  - 64 rows (_consumer_rows), by keys: each converts 32 keys of a tile (all columns) and scores all 64 rows
+    against them untransposed, S [64 rows, 32 keys] (rows in wgmma's M: a row's max and sum stay inside a warp;
+    transposed, they crossed the warps through shared memory each tile); the two exchange their partial row max
+    (one wait) and P (a second), then each accumulates O [64, its 256 columns] over all 64 keys. So a tile is
+    converted once for 64 heads, not once for each 32: beside q of 64 rows, the f16 tile and 2 e4m3 stages, the
+    column split's score exchange would not fit (session y: 1.5–2x the 32-row blocks).
 q is stored as f16 after a power-of-two scale per row (its largest value ≤ 2^14, undone in the softmax scale), so a
 bf16 query of any range converts exactly; with f16 operands (exact from e4m3) and f16 P in [0, 1] this keeps more
 precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 against ours on a
-bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 128 heads 0.6–0.75x
-(compute-bound there: the conversion and a tile's shared-memory traffic come on top of the same wgmma work); 1.3–2.1x
-the Triton FP8 kernel.
+bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 64 heads 1.0x, 128 heads
+0.65–0.88x (compute-bound there: the conversion and the exchanges come on top of the same wgmma work); 1.6–3.3x the
+Triton FP8 kernel.
 Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
 this kernel with the reference on the GPU."""
 
@@ -273,86 +275,153 @@ def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
 
 
 @gluon.jit
+def _convert_keys(f8c_s, f8p_s0, f8p_s1, kfc, kfp0, kfp1, sc, inv_c, keep):
+    """Rows (keys) of an e4m3 tile, all 576 columns, into the f16 tile as value · scale / c (sc: their 5 scales in
+    the conversion layout, keep: −1 for keys before the end, else 0)."""
+    GROUP: gl.constexpr = 128  # values a scale
+    dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    dq_pe: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    for g in gl.static_range(f8c_s.shape[1] // GROUP):
+        _dequant_piece(f8c_s.slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
+                       (sc[g] * inv_c).to(gl.float16), keep, dq)
+    r = gl.convert_layout((sc[4] * inv_c).to(gl.float16), gl.SliceLayout(1, dq_pe))
+    k = gl.convert_layout(keep, gl.SliceLayout(1, dq_pe))
+    _dequant_piece(f8p_s0, kfp0, r, k, dq_pe)
+    _dequant_piece(f8p_s1, kfp1, r, k, dq_pe)
+
+
+@gluon.jit
 def _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
-    """64 rows a program (128 heads: half the conversions of 32-row blocks), 32 a warpgroup. Both warpgroups
-    convert their column half of a tile into the one f16 tile and wait for each other; then warpgroup HALF_IDX
-    computes the scores of its own rows over all columns, their softmax and Oᵀ [512, its 32 rows] += Vᵀ · Pᵀ, and
-    frees the f16 tile (the next conversion waits until both have). No scores exchanged."""
-    q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, pt_buf, sx = smem
-    ready, empty, q_bar, converted, tile_free = bars
+    """64 rows a program. Warpgroup HALF_IDX converts keys [32 · HALF_IDX, +32) of each tile (all columns),
+    scores all 64 rows against them (S [64, 32], as kernels_ws: rows in wgmma's M), exchanges its partial row max
+    with the other (one wait), writes its P [64, 32] and, after a second wait, accumulates O [64, its 256 columns]
+    += P · V over both halves of the keys, the other's first: that wgmma done, the other may convert its next keys
+    over them (its only reader besides their owner). k_pe is read only by its owner's scores."""
+    q_buf, qp_buf, f8c, f8p, kfc_buf, kfp_buf, p_buf, xs = smem
+    ready, empty, q_bar, m_bar, p_ready, free = bars
     start, end, n_tiles, seq_len, row0 = span
     n_new = q_args[3]
     heads = q_args[4]
-    ROWS: gl.constexpr = q_buf.shape[1]  # this warpgroup's
+    ROWS: gl.constexpr = q_buf.shape[1]  # 64
     NSTAGE: gl.constexpr = f8c.shape[0]
     BLOCK_N: gl.constexpr = f8c.shape[1]
+    KEYS: gl.constexpr = BLOCK_N // 2  # a warpgroup's
     KV_LORA: gl.constexpr = f8c.shape[2]
+    HALF: gl.constexpr = KV_LORA // 2
     PIECE: gl.constexpr = 64  # columns a score wgmma
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
-    row0 = row0 + HALF_IDX * ROWS
-    inv_qs = gl.convert_layout(_load_q(q_args, row0, q_buf.index(HALF_IDX), qp_buf.index(3 * HALF_IDX),
-                                       qp_buf.index(1 + HALF_IDX), q_bar, HALF_IDX, True), col_layout)
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
-    l_k = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
-    c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)  # acc holds O / c_acc
-    acc = gl.zeros([KV_LORA, ROWS], gl.float32, layout=s_layout)
-    s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
-    sc = _tile_scales(s_ptr, _tile_row(bt_row, start, end, page_size), start, end, keys)
+                                                       instr_shape=[16, KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    OTHER: gl.constexpr = 1 - HALF_IDX
+    # q: each warpgroup stores 32 rows (all columns), then both wait; 2^-k per row exchanged
+    HALF_ROWS: gl.constexpr = ROWS // 2
+    inv_own = _load_q(q_args, row0 + HALF_IDX * HALF_ROWS, q_buf.index(0).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0),
+                      qp_buf.index(HALF_IDX).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0),
+                      qp_buf.index(OTHER).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0), q_bar, HALF_IDX, True)
+    xs.index(4).slice(HALF_IDX * HALF_ROWS, HALF_ROWS).store(inv_own)
+    mbarrier.arrive(q_bar)
+    mbarrier.wait(q_bar, 0)
+    inv_qs = xs.index(4).load(row_layout)
+    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+    pos = seq_len - n_new + rows // heads  # causal among the new tokens
+    offs_k = HALF_IDX * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dq))  # the tile's, for c
+    own_keys = HALF_IDX * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dq))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    c_acc = qk_scale * 0.0 + 1.0  # acc holds O / c_acc (c of the last tile)
+    acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
+    # scales one tile ahead (all 64 keys' for c, its own keys' for the conversion), the page row two ahead
+    row_t = _tile_row(bt_row, start, end, page_size)
+    sc = _tile_scales(s_ptr, row_t, start, end, keys)
+    sc_own = _tile_scales(s_ptr, row_t, start, end, own_keys)
     row_next = _tile_row(bt_row, start + BLOCK_N, end, page_size)
     for t in range(n_tiles):
         s = t % NSTAGE
         n0 = start + t * BLOCK_N
         ph = t & 1
         sc_next = _tile_scales(s_ptr, row_next, n0 + BLOCK_N, end, keys)
+        sc_own_next = _tile_scales(s_ptr, row_next, n0 + BLOCK_N, end, own_keys)
         row_next = _tile_row(bt_row, n0 + 2 * BLOCK_N, end, page_size)
+        big = gl.maximum(gl.maximum(gl.maximum(sc[0], sc[1]), gl.maximum(sc[2], sc[3])), sc[4])
+        c = gl.reduce(big, 0, _maximum)
+        c = gl.where(c > 0.0, c, 1.0)
         mbarrier.wait(ready.index(s), (t // NSTAGE) & 1)
         z = n0 >> 31  # as in _consumer_cols
         kfc = kfc_buf.index(z)
-        mbarrier.wait(tile_free, ph ^ 1)  # both done with the last tile (fresh barriers count as released)
-        c = _convert_half(f8c.index(s), f8p.index(2 * s + HALF_IDX), kfc, kfp_buf.index(2 * z + HALF_IDX), sc, n0,
-                          end, HALF_IDX)
+        mbarrier.wait(free.index(HALF_IDX), ph ^ 1)  # the other's last P · V is past these keys' V
+        f8c_s = f8c.index(s).slice(HALF_IDX * KEYS, KEYS, dim=0)
+        _convert_keys(f8c_s, f8p.index(2 * s).slice(HALF_IDX * KEYS, KEYS, dim=0),
+                      f8p.index(2 * s + 1).slice(HALF_IDX * KEYS, KEYS, dim=0),
+                      kfc.slice(HALF_IDX * KEYS, KEYS, dim=0),
+                      kfp_buf.index(2 * z).slice(HALF_IDX * KEYS, KEYS, dim=0),
+                      kfp_buf.index(2 * z + 1).slice(HALF_IDX * KEYS, KEYS, dim=0), sc_own, 1.0 / c,
+                      gl.where(n0 + own_keys < end, -1, 0))
         mbarrier.arrive(empty.index(s))
         fence_async_shared()
-        mbarrier.arrive(converted)
-        mbarrier.wait(converted, ph)
-        q_smem = q_buf.index(z + HALF_IDX)
+        kown = kfc.slice(HALF_IDX * KEYS, KEYS, dim=0)
+        q_smem = q_buf.index(z)
         st_a = s_zero
         st_b = s_zero
         for j in gl.static_range(0, KV_LORA // PIECE, 2):
-            st_a = warpgroup_mma(kfc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
+            st_a = warpgroup_mma(q_smem.slice(j * PIECE, PIECE, dim=1), kown.slice(j * PIECE, PIECE, dim=1).permute(
                 (1, 0)), st_a, use_acc=j > 0, is_async=True)
-            st_b = warpgroup_mma(kfc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
+            st_b = warpgroup_mma(q_smem.slice((j + 1) * PIECE, PIECE, dim=1), kown.slice(
                 (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > 0, is_async=True)
-        st_a = warpgroup_mma(kfp_buf.index(2 * z), qp_buf.index(2 * (z + HALF_IDX)).permute((1, 0)), st_a,
-                             is_async=True)
-        st_b = warpgroup_mma(kfp_buf.index(2 * z + 1), qp_buf.index(2 * (z + HALF_IDX) + 1).permute((1, 0)), st_b,
-                             is_async=True)
+        st_a = warpgroup_mma(qp_buf.index(2 * z), kfp_buf.index(2 * z).slice(HALF_IDX * KEYS, KEYS, dim=0).permute(
+            (1, 0)), st_a, is_async=True)
+        st_b = warpgroup_mma(qp_buf.index(2 * z + 1), kfp_buf.index(2 * z + 1).slice(HALF_IDX * KEYS, KEYS,
+                                                                                       dim=0).permute((1, 0)),
+                             st_b, is_async=True)
         st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
-        p, m_i, l_k, alpha = _softmax_t(st_a + st_b, m_i, l_k, n0, end, pos, offs_n, c * qk_scale * inv_qs)
-        pt = pt_buf.index(2 * z + HALF_IDX)
-        pt.store(p.to(gl.float16))
+        kn = n0 + offs_k
+        x = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]),
+                     (st_a + st_b) * (c * qk_scale * inv_qs)[:, None], float("-inf"))
+        # the row max over both warpgroups' keys
+        xs.index(HALF_IDX).store(gl.reduce(x, 1, _maximum))
+        mbarrier.arrive(m_bar)
+        mbarrier.wait(m_bar, ph)
+        m_new = gl.maximum(m_i, gl.maximum(xs.index(0).load(row_layout), xs.index(1).load(row_layout)))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(x - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.reduce(p, 1, _add)
+        m_i = m_new
+        p_buf.index(2 * z + HALF_IDX).store(p.to(gl.float16))
         fence_async_shared()
-        acc = acc * (alpha * c_acc / c)[None, :]
-        c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * c
-        acc = warpgroup_mma(kfc.permute((1, 0)), pt, acc, is_async=True)
+        mbarrier.arrive(p_ready)
+        mbarrier.wait(p_ready, ph)
+        acc = acc * gl.convert_layout(alpha * (c_acc / c), o_row_layout)[:, None]
+        c_acc = c
+        acc = warpgroup_mma(p_buf.index(2 * z + OTHER), kfc.slice(OTHER * KEYS, KEYS, dim=0).slice(
+            HALF_IDX * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(free.index(OTHER))
+        acc = warpgroup_mma(p_buf.index(2 * z + HALF_IDX), kfc.slice(HALF_IDX * KEYS, KEYS, dim=0).slice(
+            HALF_IDX * HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # as in _consumer_cols
-        mbarrier.arrive(tile_free)
         sc = sc_next
-    l_i = gl.reduce(l_k, 0, _add)
+        sc_own = sc_own_next
+    # l: each warpgroup summed its own keys' P (both under the final max)
+    xs.index(2 + HALF_IDX).store(l_i)
+    mbarrier.arrive(p_ready)
+    mbarrier.wait(p_ready, n_tiles & 1)
+    l_i = xs.index(2).load(row_layout) + xs.index(3).load(row_layout)
     # o staged in an e4m3 stage (32 KB each): every tile is converted by now, and no load is pending
-    staging = f8c.index(HALF_IDX)._reinterpret(gl.float16, [ROWS, KV_LORA], gl.SwizzledSharedLayout(
+    staging = f8c.index(HALF_IDX)._reinterpret(gl.float16, [HALF, ROWS], gl.SwizzledSharedLayout(
         vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, 0, KV_LORA, True)
+    _epilogue(acc, gl.convert_layout(m_i, o_row_layout), gl.convert_layout(l_i, o_row_layout), c_acc, out_args,
+              row0, n_new * heads, staging, HALF_IDX * HALF, KV_LORA, HALF_IDX == 0, False)
 
 
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
-    if smem[0].shape[0] == 2:  # q in two row blocks: _consumer_rows
+    if smem[0].shape[1] > MAX_COLS_ROWS:
         _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
     else:
         _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
@@ -360,28 +429,31 @@ def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_si
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
-    if smem[0].shape[0] == 2:  # q in two row blocks: _consumer_rows
+    if smem[0].shape[1] > MAX_COLS_ROWS:
         _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
     else:
         _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, col0, KV_LORA: gl.constexpr, LSE: gl.constexpr):
+def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, col0, KV_LORA: gl.constexpr, LSE: gl.constexpr,
+              TRANSPOSED: gl.constexpr = True):
     """o = c · acc / l (accᵀ: columns [col0, +acc.shape[0]) of this warpgroup's rows) through shared memory (buf: at
     least [rows, columns] 16-bit) so that rows leave in 16-byte pieces; LSE: also the rows' LSE. Rows go to the
     final output (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
-    COLS: gl.constexpr = acc.shape[0]
-    ROWS: gl.constexpr = acc.shape[1]
+    COLS: gl.constexpr = acc.shape[0] if TRANSPOSED else acc.shape[1]
+    ROWS: gl.constexpr = acc.shape[1] if TRANSPOSED else acc.shape[0]
     o_dtype: gl.constexpr = o_ptr.dtype.element_ty
     VEC: gl.constexpr = 16 // (o_dtype.primitive_bitwidth // 8)
     empty_rows = l_i == 0.0
     l_safe = gl.where(empty_rows, 1.0, l_i)
-    out = (acc * (c_acc / l_safe)[None, :]).to(o_dtype)
     staged = buf._reinterpret(o_dtype, [ROWS, COLS], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                                               order=[1, 0]))
-    staged.permute((1, 0)).store(out)
+    if TRANSPOSED:
+        staged.permute((1, 0)).store((acc * (c_acc / l_safe)[None, :]).to(o_dtype))
+    else:
+        staged.store((acc * (c_acc / l_safe)[:, None]).to(o_dtype))
     rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
     out = staged.load(rows_layout)
     o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
@@ -417,23 +489,16 @@ def _mla_decode_fp8_kernel(
         return
     b64 = seq.to(gl.int64)
     ROW_SPLIT: gl.constexpr = ROWS > MAX_COLS_ROWS  # _consumer_rows, else _consumer_cols
-    W_ROWS: gl.constexpr = ROWS // 2 if ROW_SPLIT else ROWS  # rows a warpgroup's wgmma take (their N)
     f16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     f16_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
-    p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * W_ROWS, element_bitwidth=16, rank=2)
-    if ROW_SPLIT:  # a warpgroup's rows, all columns; q_pe as [warpgroup · 2 + half]
-        q_smem = gl.allocate_shared_memory(gl.float16, [2, W_ROWS, KV_LORA], f16)
-        qp_smem = gl.allocate_shared_memory(gl.float16, [4, W_ROWS, ROPE // 2], f16_pe)
-    else:  # [1, …]: see _consumer_cols's z; q_pe a half for each warpgroup
-        q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)
-        qp_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROPE // 2], f16_pe)
+    q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)  # [1, …]: see _consumer_cols's z
+    qp_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROPE // 2], f16_pe)  # q_pe's halves
     f8c = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [NSTAGE, BLOCK_N, KV_LORA], gl.NVMMASharedLayout(
         swizzle_byte_width=64, element_bitwidth=8, rank=2))
     f8p = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [2 * NSTAGE, BLOCK_N, ROPE // 2], gl.NVMMASharedLayout(
         swizzle_byte_width=ROPE // 2, element_bitwidth=8, rank=2))
     kfc = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, KV_LORA], f16)
     kfp = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE // 2], f16_pe)
-    pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, W_ROWS], p16)  # each warpgroup's Pᵀ
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -441,14 +506,22 @@ def _mla_decode_fp8_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both warpgroups convert their half
     mbarrier.init(q_bar, count=2)
-    if ROW_SPLIT:  # the f16 tile converted by both; freed by both
-        sx = pt  # (unused: no score exchange)
-        converted = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(converted, count=2)
-        mbarrier.init(tile_free, count=2)
-        bars = (ready, empty, q_bar, converted, tile_free)
-    else:  # each warpgroup's partial Sᵀ, and their barriers
+    if ROW_SPLIT:  # each warpgroup's P [64 rows, its 32 keys], the row max and l exchange, 2^-k of q's rows
+        pt = gl.allocate_shared_memory(gl.float16, [2, ROWS, BLOCK_N // 2], gl.NVMMASharedLayout(
+            swizzle_byte_width=BLOCK_N, element_bitwidth=16, rank=2))
+        sx = gl.allocate_shared_memory(gl.float32, [5, ROWS], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[0]))
+        m_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(m_bar, count=2)
+        mbarrier.init(p_ready, count=2)
+        mbarrier.init(free.index(0), count=1)
+        mbarrier.init(free.index(1), count=1)
+        bars = (ready, empty, q_bar, m_bar, p_ready, free)
+    else:  # each warpgroup's Pᵀ and partial Sᵀ, and their barriers
+        pt = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS], gl.NVMMASharedLayout(
+            swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
         sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
