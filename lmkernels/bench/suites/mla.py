@@ -654,7 +654,7 @@ def fp8_case(batch, ctx, heads, n_new):
 
 # FP8 cache rows (informational): (batch, context, heads, query tokens)
 FP8_ROWS = ((1, 32768, 16, 1), (32, 8192, 16, 1), (128, 1024, 16, 1), (128, 8192, 16, 1), (32, 8192, 16, 2),
-            (32, 8192, 128, 1))
+            (1, 32768, 128, 1), (32, 8192, 128, 1), (128, 1024, 128, 1))
 QUICK_FP8 = FP8_ROWS[1:2]
 
 # skewed batches (informational rows, 16 and 128 heads each): (name, long length, long sequences, short length, short
