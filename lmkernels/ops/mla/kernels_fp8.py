@@ -15,7 +15,7 @@ sequence and one chunk of its keys, the schedule of kernels_ws.py) has three par
   - up to 32 rows (_consumer_cols), by columns: each scores over its own columns, adds the other's partial scores
     through shared memory (one exchange a tile; both then run the same softmax) and multiplies its own copy of Pᵀ
     by its own columns, Oᵀ [256, rows];
-  - 64 rows (_consumer_rows), by keys: each converts 32 keys of a tile (all columns) and scores all 64 rows
+  - 64 rows (_consumer_keys), by keys: each converts 32 keys of a tile (all columns) and scores all 64 rows
     against them untransposed, S [64 rows, 32 keys] (rows in wgmma's M: a row's max and sum stay inside a warp;
     transposed, they crossed the warps through shared memory each tile); the two exchange their partial row max
     (one wait) and P (a second), then each accumulates O [64, its 256 columns] over all 64 keys. So a tile is
@@ -44,7 +44,7 @@ from .schedule import ROW
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
 MAX_ROWS = 64  # rows (heads × new tokens) a program takes (more: m-blocks, each reading the tiles, from L2 after the
 # first); q of 64 rows, the f16 tile and 2 e4m3 stages take 216 KB
-MAX_COLS_ROWS = gl.constexpr(32)  # up to this many rows a program the warpgroups split the columns, above the rows
+MAX_COLS_ROWS = gl.constexpr(32)  # up to this many rows a program the warpgroups split the columns, above the keys
 N_SCALES = gl.constexpr(5)  # scales a cache row: 4 for c_kv (128 values each), 1 for k_pe
 Q_MAX_EXP = gl.constexpr(14.0)  # q rows scaled so that their largest |value| is ≤ 2^14 (f16 max 65504)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -291,7 +291,7 @@ def _convert_keys(f8c_s, f8p_s0, f8p_s1, kfc, kfp0, kfp1, sc, inv_c, keep):
 
 
 @gluon.jit
-def _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
+def _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
     """64 rows a program. Warpgroup HALF_IDX converts keys [32 · HALF_IDX, +32) of each tile (all columns),
     scores all 64 rows against them (S [64, 32], as kernels_ws: rows in wgmma's M), exchanges its partial row max
     with the other (one wait), writes its P [64, 32] and, after a second wait, accumulates O [64, its 256 columns]
@@ -318,10 +318,11 @@ def _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
     OTHER: gl.constexpr = 1 - HALF_IDX
     # q: each warpgroup stores 32 rows (all columns), then both wait; 2^-k per row exchanged
     HALF_ROWS: gl.constexpr = ROWS // 2
-    inv_own = _load_q(q_args, row0 + HALF_IDX * HALF_ROWS, q_buf.index(0).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0),
-                      qp_buf.index(HALF_IDX).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0),
-                      qp_buf.index(OTHER).slice(HALF_IDX * HALF_ROWS, HALF_ROWS, dim=0), q_bar, HALF_IDX, True)
-    xs.index(4).slice(HALF_IDX * HALF_ROWS, HALF_ROWS).store(inv_own)
+    OWN_ROW0: gl.constexpr = HALF_IDX * HALF_ROWS
+    inv_own = _load_q(q_args, row0 + OWN_ROW0, q_buf.index(0).slice(OWN_ROW0, HALF_ROWS, dim=0),
+                      qp_buf.index(HALF_IDX).slice(OWN_ROW0, HALF_ROWS, dim=0),
+                      qp_buf.index(OTHER).slice(OWN_ROW0, HALF_ROWS, dim=0), q_bar, HALF_IDX, True)
+    xs.index(4).slice(OWN_ROW0, HALF_ROWS).store(inv_own)
     mbarrier.arrive(q_bar)
     mbarrier.wait(q_bar, 0)
     inv_qs = xs.index(4).load(row_layout)
@@ -422,7 +423,7 @@ def _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
     if smem[0].shape[1] > MAX_COLS_ROWS:
-        _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+        _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
     else:
         _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
 
@@ -430,7 +431,7 @@ def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_si
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
     if smem[0].shape[1] > MAX_COLS_ROWS:
-        _consumer_rows(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
+        _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
     else:
         _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
 
@@ -438,9 +439,10 @@ def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_siz
 @gluon.jit
 def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, col0, KV_LORA: gl.constexpr, LSE: gl.constexpr,
               TRANSPOSED: gl.constexpr = True):
-    """o = c · acc / l (accᵀ: columns [col0, +acc.shape[0]) of this warpgroup's rows) through shared memory (buf: at
-    least [rows, columns] 16-bit) so that rows leave in 16-byte pieces; LSE: also the rows' LSE. Rows go to the
-    final output (direct: the sequence's only chunk) or to the partials, as kernels_ws."""
+    """o = c · acc / l for columns [col0, …) of rows row0 … (acc: Oᵀ [columns, rows], or O [rows, columns] where not
+    TRANSPOSED) through shared memory (buf: at least [rows, columns] 16-bit) so that rows leave in 16-byte pieces;
+    LSE: also the rows' LSE. Rows go to the final output (direct: the sequence's only chunk) or to the partials, as
+    kernels_ws."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
     COLS: gl.constexpr = acc.shape[0] if TRANSPOSED else acc.shape[1]
     ROWS: gl.constexpr = acc.shape[1] if TRANSPOSED else acc.shape[0]
@@ -488,7 +490,7 @@ def _mla_decode_fp8_kernel(
     if seq < 0:  # a spare slot
         return
     b64 = seq.to(gl.int64)
-    ROW_SPLIT: gl.constexpr = ROWS > MAX_COLS_ROWS  # _consumer_rows, else _consumer_cols
+    KEY_SPLIT: gl.constexpr = ROWS > MAX_COLS_ROWS  # _consumer_keys, else _consumer_cols
     f16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     f16_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.float16, [1, ROWS, KV_LORA], f16)  # [1, …]: see _consumer_cols's z
@@ -506,7 +508,7 @@ def _mla_decode_fp8_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both warpgroups convert their half
     mbarrier.init(q_bar, count=2)
-    if ROW_SPLIT:  # each warpgroup's P [64 rows, its 32 keys], the row max and l exchange, 2^-k of q's rows
+    if KEY_SPLIT:  # each warpgroup's P [64 rows, its 32 keys], the row max and l exchange, 2^-k of q's rows
         pt = gl.allocate_shared_memory(gl.float16, [2, ROWS, BLOCK_N // 2], gl.NVMMASharedLayout(
             swizzle_byte_width=BLOCK_N, element_bitwidth=16, rank=2))
         sx = gl.allocate_shared_memory(gl.float32, [5, ROWS], gl.SwizzledSharedLayout(
@@ -555,7 +557,7 @@ CONSUMER_REGS = gl.constexpr(240)
 
 def stages(rows):
     """e4m3 tiles in flight (36 KB each): beside the f16 tile (72 KB), q and the exchange buffers, 3 fit at 16
-    rows (215 KB), 2 at 32 (209 KB) and 64 (224 KB)."""
+    rows (215 KB), 2 at 32 (209 KB) and 64 (225 KB)."""
     return 3 if rows <= 16 else 2
 
 
