@@ -24,8 +24,8 @@ sequence and one chunk of its keys, the schedule of kernels_ws.py) has three par
 q is stored as f16 after a power-of-two scale per row (its largest value ≤ 2^14, undone in the softmax scale), so a
 bf16 query of any range converts exactly; with f16 operands (exact from e4m3) and f16 P in [0, 1] this keeps more
 precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 against ours on a
-bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 64 heads 1.0x, 128 heads
-0.65–0.88x (compute-bound there: the conversion and the exchanges come on top of the same wgmma work); 1.6–3.3x the
+bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 64 heads 1.05x, 128 heads
+0.65–0.91x (compute-bound there: the conversion and the exchanges come on top of the same wgmma work); 1.6–3.3x the
 Triton FP8 kernel.
 Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
 this kernel with the reference on the GPU."""
@@ -97,18 +97,22 @@ def _tile_scales(s_ptr, row0, n0, end, keys):
 
 
 @gluon.jit
-def _dequant_piece(src, dst, ratio, keep, layout: gl.constexpr):
-    """e4m3 piece → f16 · ratio (per key); keys with keep == 0 (past the sequence end: the page may hold NaN there,
-    and P = 0 times NaN is not 0) zeroed as bytes. Per 4 values one and, two cvt, two f16x2 multiplies (triton's own
-    conversion also shuffled bytes, ~3 PRMT a pair)."""
-    x = src.load(layout).to(gl.int8, bitcast=True)
+def _dequant(x, ratio, keep, layout: gl.constexpr):
+    """e4m3 bytes x (as int8) → f16 · ratio (per key); keys with keep == 0 (past the sequence end: the page may hold
+    NaN there, and P = 0 times NaN is not 0) zeroed as bytes. Per 4 values one and, two cvt, two f16x2 multiplies
+    (triton's own conversion also shuffled bytes, ~3 PRMT a pair)."""
     r = gl.full(x.shape, 1.0, gl.float16, layout) * ratio[:, None]
     k = gl.full(x.shape, 0, gl.int32, layout) + keep[:, None]
-    y = gl.inline_asm_elementwise(
+    return gl.inline_asm_elementwise(
         "{ .reg .b32 v; .reg .b16 lo, hi; and.b32 v, $2, $5; mov.b32 {lo, hi}, v; cvt.rn.f16x2.e4m3x2 $0, lo; "
         "cvt.rn.f16x2.e4m3x2 $1, hi; mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }",
         "=r,=r,r,r,r,r,r,r,r", [x, r, k], dtype=gl.float16, is_pure=True, pack=4)
-    dst.store(y)
+
+
+@gluon.jit
+def _dequant_piece(src, dst, ratio, keep, layout: gl.constexpr):
+    """An e4m3 piece in shared memory → dst as f16 · ratio (_dequant)."""
+    dst.store(_dequant(src.load(layout).to(gl.int8, bitcast=True), ratio, keep, layout))
 
 
 @gluon.jit
@@ -277,17 +281,25 @@ def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
 @gluon.jit
 def _convert_keys(f8c_s, f8p_s0, f8p_s1, kfc, kfp0, kfp1, sc, inv_c, keep):
     """Rows (keys) of an e4m3 tile, all 576 columns, into the f16 tile as value · scale / c (sc: their 5 scales in
-    the conversion layout, keep: −1 for keys before the end, else 0)."""
-    GROUP: gl.constexpr = 128  # values a scale
+    the conversion layout, keep: −1 for keys before the end, else 0). Every piece is loaded before the first store:
+    stored group by group, the compiler put a barrier between groups (5 a tile) and the loads went one group at a
+    time; this way −3 to −6% a call (H100, session y)."""
     dq: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     dq_pe: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    for g in gl.static_range(f8c_s.shape[1] // GROUP):
-        _dequant_piece(f8c_s.slice(g * GROUP, GROUP, dim=1), kfc.slice(g * GROUP, GROUP, dim=1),
-                       (sc[g] * inv_c).to(gl.float16), keep, dq)
+    x0 = f8c_s.slice(0, 128, dim=1).load(dq).to(gl.int8, bitcast=True)
+    x1 = f8c_s.slice(128, 128, dim=1).load(dq).to(gl.int8, bitcast=True)
+    x2 = f8c_s.slice(256, 128, dim=1).load(dq).to(gl.int8, bitcast=True)
+    x3 = f8c_s.slice(384, 128, dim=1).load(dq).to(gl.int8, bitcast=True)
+    p0 = f8p_s0.load(dq_pe).to(gl.int8, bitcast=True)
+    p1 = f8p_s1.load(dq_pe).to(gl.int8, bitcast=True)
     r = gl.convert_layout((sc[4] * inv_c).to(gl.float16), gl.SliceLayout(1, dq_pe))
     k = gl.convert_layout(keep, gl.SliceLayout(1, dq_pe))
-    _dequant_piece(f8p_s0, kfp0, r, k, dq_pe)
-    _dequant_piece(f8p_s1, kfp1, r, k, dq_pe)
+    kfc.slice(0, 128, dim=1).store(_dequant(x0, (sc[0] * inv_c).to(gl.float16), keep, dq))
+    kfc.slice(128, 128, dim=1).store(_dequant(x1, (sc[1] * inv_c).to(gl.float16), keep, dq))
+    kfc.slice(256, 128, dim=1).store(_dequant(x2, (sc[2] * inv_c).to(gl.float16), keep, dq))
+    kfc.slice(384, 128, dim=1).store(_dequant(x3, (sc[3] * inv_c).to(gl.float16), keep, dq))
+    kfp0.store(_dequant(p0, r, k, dq_pe))
+    kfp1.store(_dequant(p1, r, k, dq_pe))
 
 
 @gluon.jit
