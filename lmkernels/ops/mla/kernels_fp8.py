@@ -25,7 +25,7 @@ q is stored as f16 after a power-of-two scale per row (its largest value ≤ 2^1
 bf16 query of any range converts exactly; with f16 operands (exact from e4m3) and f16 P in [0, 1] this keeps more
 precision than the Triton kernel's bf16 ones. Outputs, LSE and partials as kernels_ws.py. H100 against ours on a
 bf16 cache (NOTES, issue 6, sessions x and y): 16 heads 1.04–1.33x, 16 × 2 rows 1.0x, 64 heads 1.05x, 128 heads
-0.65–0.91x (compute-bound there: the conversion and the exchanges come on top of the same wgmma work); 1.6–3.3x the
+0.65–0.91x (compute-bound there: the conversion and the exchanges come on top of the same wgmma work); 1.6–3.5x the
 Triton FP8 kernel.
 Compiled kernels only (the interpreter cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares
 this kernel with the reference on the GPU."""
