@@ -433,19 +433,21 @@ def _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
 
 
 @gluon.jit
-def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
+def _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
     if smem[0].shape[1] > MAX_COLS_ROWS:
-        _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+        _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX)
     else:
-        _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
+        _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX)
+
+
+@gluon.jit
+def _consumer_default(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
+    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 0)
 
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale):
-    if smem[0].shape[1] > MAX_COLS_ROWS:
-        _consumer_keys(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
-    else:
-        _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
+    _consumer(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, 1)
 
 
 @gluon.jit
