@@ -153,6 +153,23 @@ def test_decode_multi_token(monkeypatch, gate, bv):
     assert rel(pool[slots], rS) < 1e-5 and torch.equal(pool[1], before[1])
 
 
+def test_decode_paired_reduction(monkeypatch):
+    """The GPU's decode sums S·(D k) and S·(D q) in one tuple reduction (PAIRED), the interpreter in two by
+    default (its tuple reduction runs element by element): the paired line, at one small shape."""
+    H, K, V, N, Q = 1, 64, 64, 1, 2
+    q, k, v, f, b = inputs(N, Q, H, K, V, torch.float32)
+    kw = dict(gate_kwargs("safe", H, K), l2norm_qk=True, beta_sigmoid=True)
+    before = torch.randn(2, H, K, V) * 0.1
+    outs = {}
+    for paired in (True, False):
+        monkeypatch.setitem(kernels.TUNE, "decode", dict(BV=V, num_warps=4, PAIRED=paired))
+        pool = before.clone()
+        outs[paired] = kda_decode(q, k, v, f, b, pool, torch.tensor([1]), **kw), pool
+    ro, rS = ref_run(q, k, v, f, b, kw, initial_state=before[1:].double())
+    for o, pool in outs.values():
+        assert rel(o, ro) < 1e-5 and rel(pool[1:], rS) < 1e-5 and torch.equal(pool[0], before[0])
+
+
 def test_bad_inputs():
     H, K, V = 2, 64, 64
     q, k, v, f, b = inputs(1, 10, H, K, V, torch.float16)

@@ -371,7 +371,7 @@ def _kda_decode(
     s_qn, s_qt, s_qh, s_kn, s_kt, s_kh, s_vn, s_vt, s_vh, s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, s_on, s_ot, s_oh,
     s_p, scale, lower_bound,
     Q: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr,
+    GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2: tl.constexpr, BETA_SIG: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # V blocks of a head, then heads, then sequences: neighbouring programs read neighbouring state rows
     # (B ≥ 64 +4% against sequences first)
@@ -411,7 +411,11 @@ def _kda_decode(
         qs = bq * scale
         # one reduction over K for both products, on the state as loaded: with D = diag(e^g),
         # (D S)ᵀ k = Sᵀ (D k) and (D S + k unᵀ)ᵀ q = Sᵀ (D q) + un (k · q)
-        sk, sq = tl.reduce((S * (bk * decay)[:, None], S * (qs * decay)[:, None]), 0, _add_pairs)
+        if PAIRED:
+            sk, sq = tl.reduce((S * (bk * decay)[:, None], S * (qs * decay)[:, None]), 0, _add_pairs)
+        else:  # the same sums as two: the interpreter runs a tuple reduction element by element (~1 s a [64, 16])
+            sk = tl.sum(S * (bk * decay)[:, None], 0)
+            sq = tl.sum(S * (qs * decay)[:, None], 0)
         un = (bv - sk) * bb
         ob = sq + un * tl.sum(bk * qs)
         S = S * decay[:, None] + bk[:, None] * un[None, :]
@@ -542,7 +546,7 @@ GLUON_INTRA, GLUON_INTRA_BC = True, 32
 _META = {}
 _SIDE_STREAMS = {}
 # overrides for tuning runs: {"prefill": {...}, "decode": {...}, "decode_by_n": {N: {...}}, "skip_state": bool,
-# "slow_exp": bool, "i64": bool}
+# "slow_exp": bool, "i64": bool}; decode's PAIRED: one tuple reduction for both sums (the GPU's; off in the interpreter)
 TUNE = {}
 LAUNCHED = {}  # the last compiled kernels (registers and spills for tuning reports)
 
@@ -681,5 +685,5 @@ def decode(q, k, v, g, beta, pool, idx, scale, A_log, dt_bias, lower_bound, l2, 
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3], *o.stride()[:3],
         pool.stride(0), float(scale), float(lower_bound or 0.0),
         Q=Q, H=H, K=K, V=V, BV=BV, GATE=gate, HAS_BIAS=dt_bias is not None, L2=bool(l2), BETA_SIG=bool(beta_sig),
-        num_warps=cfg["num_warps"])
+        PAIRED=cfg.get("PAIRED", not interpreting()), num_warps=cfg["num_warps"])
     return o
