@@ -676,11 +676,12 @@ def decode_config(rows: int, fp8: bool = False):
     16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
     the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
     FP8 caches: on Hopper in 64-key pages the Gluon kernel of kernels_fp8.py (WS; 16, 32 or 64 rows a program,
-    m-blocks of 64 above; sessions x and y: 16 heads 1.6–2.1x this kernel's FP8 path, 128 heads 2.0–3.5x). This kernel's FP8 path (elsewhere): fewer
-    stages, since the dequantised tile is staged in shared memory again (104–190 KB); at 16 rows splits sized for 2
-    programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128 1k); halves at 64 rows (+5%, fewer spills), not
-    at 16 (−12%) (session l); ~30% of copy, slower than bf16 per call: the per-value dequantisation (e4m3 → fp32 ·
-    scale → 16 bit, staged through shared memory again) sets the pace."""
+    m-blocks of 64 above; sessions x and y: 16 heads 1.6–2.1x this kernel's FP8 path, 128 heads 2.0–3.5x). This
+    kernel's FP8 path (elsewhere): fewer stages, since the dequantised tile is staged in shared memory again
+    (104–190 KB); at 16 rows splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128
+    1k); halves at 64 rows (+5%, fewer spills), not at 16 (−12%) (session l); ~30% of copy, slower than bf16 per
+    call: the per-value dequantisation (e4m3 → fp32 · scale → 16 bit, staged through shared memory again) sets the
+    pace."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:

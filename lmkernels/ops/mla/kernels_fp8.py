@@ -453,10 +453,10 @@ def _consumer_worker(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_siz
 @gluon.jit
 def _epilogue(acc, m_i, l_i, c_acc, out_args, row0, rows, buf, col0, KV_LORA: gl.constexpr, LSE: gl.constexpr,
               TRANSPOSED: gl.constexpr = True):
-    """o = c · acc / l for columns [col0, …) of rows row0 … (acc: Oᵀ [columns, rows], or O [rows, columns] where not
-    TRANSPOSED) through shared memory (buf: at least [rows, columns] 16-bit) so that rows leave in 16-byte pieces;
-    LSE: also the rows' LSE. Rows go to the final output (direct: the sequence's only chunk) or to the partials, as
-    kernels_ws."""
+    """o = c · acc / l for columns [col0, …) of rows row0 … (acc: Oᵀ [columns, rows], or O [rows, columns] where
+    not TRANSPOSED) through shared memory (buf: at least [rows, columns] 16-bit) so that rows leave in 16-byte
+    pieces; LSE: also the rows' LSE. Rows go to the final output (direct: the sequence's only chunk) or to the
+    partials, as kernels_ws."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
     COLS: gl.constexpr = acc.shape[0] if TRANSPOSED else acc.shape[1]
     ROWS: gl.constexpr = acc.shape[1] if TRANSPOSED else acc.shape[0]
