@@ -87,6 +87,30 @@ def test_decode_many_splits(monkeypatch, sms):
     _check(*_setup([16 * n_splits - 3, 20], heads=16, n_new=1, page=16), num_splits=n_splits)
 
 
+@pytest.mark.parametrize("n_splits", [13, 27])
+def test_decode_merge_whole_rows(monkeypatch, n_splits):
+    """Few rows, few chunks: the column-block merge takes whole rows and every chunk of a sequence in one round
+    (CHUNK_S 16 up to 16 chunks, else 32), as for 128 heads at B=1 on the H100; its row thresholds are lowered to
+    reach it with 16 heads, and the launch is checked to be that one."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 32)
+    monkeypatch.setattr(kernels, "MERGE_WHOLE_ROWS_16", 32)
+    monkeypatch.setattr(kernels, "MERGE_WHOLE_ROWS_32", 32)
+    monkeypatch.setattr(kernels, "decode_config", lambda rows, fp8=False: dict(
+        BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, KEYS_MAJOR=True, PROGRAMS_PER_SM=1))
+    launches, merge = [], kernels._mla_merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["BLOCK_D"], kw["CHUNK_S"]))
+                return merge[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, "_mla_merge_kernel", Spy())
+    _check(*_setup([16 * n_splits - 3, 40], heads=16, n_new=1, page=16), num_splits=n_splits)
+    assert launches == [(512, 16 if n_splits <= 16 else 32)]
+
+
 @pytest.mark.parametrize("page", [16, 64])
 def test_decode_128_heads(page):
     """128 heads: two 64-row blocks per sequence; page 64 takes the default TMA tiles (a full 64-key tile and a

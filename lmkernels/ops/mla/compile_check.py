@@ -75,10 +75,12 @@ def main(argv=None):
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
     mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
-    for chunk_s in (32, K.MERGE_CHUNK_S, K.MERGE_CHUNK_S_FEW):
-        mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=K.MERGE_BLOCK_D, INTERPRET=False,
+    for block_d, chunk_s in ((K.MERGE_BLOCK_D, 32), (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S),
+                             (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S_FEW), (512, 16), (512, 32)):
+        mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False,
                    LONG_ENTRIES=0)
-        _show(f"mla merge, {chunk_s} splits a load", compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
+        _show(f"mla merge, {block_d} columns × {chunk_s} splits a load",
+              compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
     from . import schedule as S
 
     sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)

@@ -623,6 +623,12 @@ MAX_SPLITS = MAX_CHUNKS  # what the merge takes (an explicit num_splits; chunks 
 # session w), against 32 splits per load: 128 at 16 rows B=1 1k / 8k / 32k −5 / −8 / −11%, 32 rows (16 × 2) B=1 8k
 # / 32k −4 / −6%; at 128 rows 64 splits −5% at 32k (66 chunks), ±0.5% at 1k and 8k (32 chunks), 128 +6–8% there
 MERGE_BLOCK_D, MERGE_CHUNK_S, MERGE_CHUNK_S_FEW = 64, 64, 128
+# … but where those column blocks would be more than two programs an SM and a sequence has at most 16 chunks (at
+# least MERGE_WHOLE_ROWS_16 rows) or 32 (MERGE_WHOLE_ROWS_32 rows), whole rows × all of them in one round. H100
+# (benchmarks/NOTES.md, issue 6, session aa): 128 heads B=1 1k (16 chunks: 1024 programs of 16 × 64 values → 128 of
+# 16 × 512) 16.8 → 15.4 µs, 128 × 2 B=1 1k 21.3 → 16.7, 128 heads B=1 2k / 4k (32 chunks) −4%, B=2 1k −19%; 64 heads
+# at 32 chunks +4.5%
+MERGE_WHOLE_ROWS_16, MERGE_WHOLE_ROWS_32 = 64, 96
 # in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more
 # go through the merge kernel. H100 A/B (benchmarks/NOTES.md, issue 6): 2 and 4 splits +5–6% (16 heads B=128 /
 # B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
@@ -871,7 +877,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         )
     if split and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
-                       pdl=merge_pdl)
+                       pdl=merge_pdl, max_chunks=most_chunks)
     return o, lse
 
 
@@ -882,13 +888,16 @@ def _rows_merge(all_rows, splits, device, rows_kernel=None, min_chunks=2) -> boo
     return rows_kernel and min_chunks <= 2
 
 
-def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2, pdl=False):
+def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2, pdl=False,
+                   max_chunks=None):
     """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
     list sched (the schedule's) of at least min_chunks chunks → o, lse. Whole rows × `splits` (the typical chunk
     count) partials per load where there are many rows and few splits (rows_kernel: force either kernel), else one
     row (or a column block of it) per program walking its chunks; the latter in column blocks for min_chunks > 2
     (the long sequences the decode kernel's in-kernel merge left: whole rows there were as slow as that merge,
-    session q). pdl: the whole-rows kernel launched with programmatic dependent launch (mla_decode)."""
+    session q) and for few rows, unless a sequence has so few chunks (max_chunks: the most the plan allows) that
+    whole rows take them in one round (MERGE_WHOLE_ROWS_16, _32). pdl: the whole-rows kernel launched with programmatic
+    dependent launch (mla_decode)."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
     entries = merge_entries(batch, part_o.shape[0])
@@ -905,6 +914,11 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         block_d = MERGE_BLOCK_D
         chunk_s = (MERGE_CHUNK_S_FEW if rows * (KV_LORA // block_d) <= 2 * sm_count(o.device)
                    else min(MERGE_CHUNK_S, max(32, triton.next_power_of_2(splits))))
+        chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
+        whole = batch * rows >= (MERGE_WHOLE_ROWS_16 if chunks <= 16 else MERGE_WHOLE_ROWS_32 if chunks <= 32
+                                 else float("inf"))
+        if chunk_s != MERGE_CHUNK_S_FEW and whole:
+            block_d, chunk_s = KV_LORA, max(16, triton.next_power_of_2(chunks))
     long_entries = 0
     if min_chunks > 2:  # at most this many sequences take min_chunks slots each, the others one or more
         long_entries = triton.next_power_of_2(entries)
