@@ -629,6 +629,10 @@ MERGE_BLOCK_D, MERGE_CHUNK_S, MERGE_CHUNK_S_FEW = 64, 64, 128
 # 16 × 512) 16.8 → 15.4 µs, 128 × 2 B=1 1k 21.3 → 16.7, 128 heads B=1 2k / 4k (32 chunks) −4%, B=2 1k −19%; 64 heads
 # at 32 chunks +4.5%
 MERGE_WHOLE_ROWS_16, MERGE_WHOLE_ROWS_32 = 64, 96
+# with more rows than that (≥ 2 an SM) and more chunks than the whole-rows kernel takes, whole rows × up to this many
+# partials a round (the chunk count's power of 2). H100 A/B (NOTES, issue 6, session aa), against 4 a round: 128 heads
+# B=3 / 4 / 8 at 1k −19 / −24 / −14%, B=4 4k / 8k −19 / −14%, 64 heads B=8 1k / 4k −23 / −16%
+MERGE_ROUND = 16
 # in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more
 # go through the merge kernel. H100 A/B (benchmarks/NOTES.md, issue 6): 2 and 4 splits +5–6% (16 heads B=128 /
 # B=32 at 1k), 128 heads at 2 splits +2–3%; 8 splits −1% (16 heads) and −8% (32 rows, fp32): the merging
@@ -896,8 +900,8 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
     row (or a column block of it) per program walking its chunks; the latter in column blocks for min_chunks > 2
     (the long sequences the decode kernel's in-kernel merge left: whole rows there were as slow as that merge,
     session q) and for few rows, unless a sequence has so few chunks (max_chunks: the most the plan allows) that
-    whole rows take them in one round (MERGE_WHOLE_ROWS_16, _32). pdl: the whole-rows kernel launched with programmatic
-    dependent launch (mla_decode)."""
+    whole rows take them in one round (MERGE_WHOLE_ROWS_16, _32); whole rows otherwise, up to MERGE_ROUND partials a
+    round. pdl: the whole-rows kernel launched with programmatic dependent launch (mla_decode)."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
     entries = merge_entries(batch, part_o.shape[0])
@@ -909,12 +913,12 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
         return
-    block_d, chunk_s = KV_LORA, 4
+    chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
+    block_d, chunk_s = KV_LORA, min(MERGE_ROUND, max(4, triton.next_power_of_2(chunks)))
     if few_rows or min_chunks > 2:
         block_d = MERGE_BLOCK_D
         chunk_s = (MERGE_CHUNK_S_FEW if rows * (KV_LORA // block_d) <= 2 * sm_count(o.device)
                    else min(MERGE_CHUNK_S, max(32, triton.next_power_of_2(splits))))
-        chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
         whole = batch * rows >= (MERGE_WHOLE_ROWS_16 if chunks <= 16 else MERGE_WHOLE_ROWS_32 if chunks <= 32
                                  else float("inf"))
         if chunk_s != MERGE_CHUNK_S_FEW and whole:
