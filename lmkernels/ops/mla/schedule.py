@@ -52,6 +52,7 @@ PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_k
 # 1 × 8k + 127 × 512 in three waves of 8-tile chunks was 7% slower than two waves with 26-tile ones, so > 10.7
 SWITCH_TILES = 16
 RANGE_BLOCK = 1024  # a launch of programs: sequences and pieces in registers (slots = batch + programs − 1)
+RANGE_BLOCK_MIN = 256  # … in blocks of the slots' power of 2, at least this
 # The cost rule between chunks and ranges, in key tiles of one program streaming alone (H100, NOTES, issue 6, session
 # r): a range cut at a sequence end costs its program a second start (q, the pipeline's fill) and both pieces a
 # partial and a merge, ~RANGE_CUT_TILES; programs that share an SM (more programs than a wave) each take that many
@@ -362,8 +363,11 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
         if slots != batch + programs - 1 or slots > RANGE_BLOCK or programs < batch:
             raise ValueError(f"a launch of programs takes programs ≥ batch and slots = batch + programs − 1 ≤ "
                              f"{RANGE_BLOCK}, got batch {batch}, slots {slots}, programs {programs}")
+        # registers for the slots (≥ the sequences and the programs), not for RANGE_BLOCK: histograms and gathers
+        # of 1024 took the kernel 16 µs at any batch (H100, NOTES, issue 6, session aa)
+        block = max(RANGE_BLOCK_MIN, triton.next_power_of_2(slots + 1))
         _program_schedule_kernel[(1,)](seq_lens, sched, batch, slots, programs, wave or programs, min_tiles,
-                                       BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS, BLOCK=RANGE_BLOCK, K=CANDIDATES,
+                                       BLOCK_N=block_n, MAX_CHUNKS=MAX_CHUNKS, BLOCK=block, K=CANDIDATES,
                                        CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl, num_warps=8,
                                        **({"launch_pdl": True} if pdl else {}))
         return sched
