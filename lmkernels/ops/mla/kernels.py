@@ -629,9 +629,9 @@ MERGE_BLOCK_D, MERGE_CHUNK_S, MERGE_CHUNK_S_FEW = 64, 64, 128
 # 16 × 512) 16.8 → 15.4 µs, 128 × 2 B=1 1k 21.3 → 16.7, 128 heads B=1 2k / 4k (32 chunks) −4%, B=2 1k −19%; 64 heads
 # at 32 chunks +4.5%
 MERGE_WHOLE_ROWS_16, MERGE_WHOLE_ROWS_32 = 64, 96
-# with more rows than that (≥ 2 an SM) and more chunks than the whole-rows kernel takes, whole rows × up to this many
-# partials a round (the chunk count's power of 2). H100 A/B (NOTES, issue 6, session aa), against 4 a round: 128 heads
-# B=3 / 4 / 8 at 1k −19 / −24 / −14%, B=4 4k / 8k −19 / −14%, 64 heads B=8 1k / 4k −23 / −16%
+# batches of ≥ 2 rows an SM whose sequences have more chunks than the whole-rows kernel takes: whole rows × up to
+# this many partials a round (the chunk count's power of 2). H100 A/B (NOTES, issue 6, session aa), against 4 a round:
+# 128 heads B=3 / 4 / 8 at 1k −19 / −24 / −14%, B=4 4k / 8k −19 / −14%, 64 heads B=8 1k / 4k −23 / −16%
 MERGE_ROUND = 16
 # in-kernel merge (the last split of a sequence to finish merges, 16-bit partials) up to this many splits; more
 # go through the merge kernel. H100 A/B (benchmarks/NOTES.md, issue 6): 2 and 4 splits +5–6% (16 heads B=128 /
