@@ -18,11 +18,11 @@ keys) has three partitions sharing the shared memory, scheduled as the "seesaw" 
   its scoring warpgroup multiplies by P from registers, and the other half with the P slot once the other
   warpgroup is done with them; the loader refills in that order.
 Keys past the sequence end inside the last tile are masked in S and their c_kv rows zeroed in shared memory
-before P · c_kv (the page may hold anything there, NaN included). o leaves through a freed stage, so that whole
-rows are stored in 16-byte pieces. Outputs, LSE and split partials follow kernels._mla_decode_kernel (SPLIT:
-partials for the merge kernel). H100 against the duplicated-score kernel it replaces (session m): 128 heads
-+21–28% at 8k–32k, +20% at B=128 1k; 16 × 2 MTP rows (memory-bound) 1–2.5% slower, since a stage is held for a
-whole pair of tiles.
+before P · c_kv (the page may hold anything there, NaN included). o leaves through q's shared memory (each
+warpgroup its half, once both are past their last wgmma), so that whole rows are stored in 16-byte pieces.
+Outputs, LSE and split partials follow kernels._mla_decode_kernel (SPLIT: partials for the merge kernel).
+H100 against the duplicated-score kernel it replaces (session m): 128 heads +21–28% at 8k–32k, +20% at B=128 1k;
+16 × 2 MTP rows (memory-bound) 1–2.5% slower, since a stage is held for a whole pair of tiles.
 Compiled kernels only: the interpreter cannot run Gluon, so CPU tests run kernels.py and this kernel is checked
 against the reference on the GPU (`lmkernels check`)."""
 
@@ -105,8 +105,8 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 
 @gluon.jit
-def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr):
+def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
@@ -116,6 +116,10 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_si
     ROPE: gl.constexpr = kp.shape[2]
     desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
     nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
+    sched_ptr, len_ptr = slot_args
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
+    n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)  # a spare slot: none
+    bt_row = bt_ptr + gl.maximum(seq, 0).to(gl.int64) * stride_bt
     for k in range((n_tiles + 1) // 2):
         ph = (k & 1) ^ 1  # fresh barriers count as released
         n0 = start + 2 * k * BLOCK_N
@@ -183,17 +187,22 @@ def _zero_tail(v, n0, end):
 
 
 @gluon.jit
-def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
+def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
+              SCHEDULE_ROW: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
     o_L = o_L · α0 + P0 · V0L; 1 scores t1, takes m0, its softmax gives m1 and P1 (P1 into t1's k_pe slot),
     o_R = (o_R · α0 + P0 · V0R) · α1 + P1 · V1R; 0 takes m1: o_L = o_L · α1 + P1 · V1L. One softmax chain, handed
-    back and forth, while the other warpgroup's wgmma has the tensor cores."""
+    back and forth, while the other warpgroup's wgmma has the tensor cores. Each partition reads the program's slot
+    itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork."""
     q_ctx, bar_m, sm, sl = ctx
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
-    start, end, n_tiles, seq_len = span
-    m_block, b64, n_new, heads = rows_args
+    o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads = out_args
+    sched_ptr, len_ptr = slot_args
+    m_block = gl.program_id(0)
+    slot = gl.program_id(1)
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     BLOCK_N: gl.constexpr = kc.shape[1]
@@ -205,88 +214,94 @@ def _consumer(ctx, out_args, rows_args, span, qk_scale, HALF_IDX: gl.constexpr):
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    _load_q(q_ctx, rows_args, HALF_IDX)
-    rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-    pos = seq_len - n_new + rows // heads  # causal among the new tokens
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    for k in range((n_tiles + 1) // 2):
-        ph = k & 1
-        n0 = start + 2 * k * BLOCK_N
-        n1 = n0 + BLOCK_N
-        has1 = 2 * k + 1 < n_tiles
-        if HALF_IDX == 0:
-            sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero)
-            p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
-            kp.index(0).store(p.to(dtype))
-            sm.slice(0, BLOCK_M).store(m0)
-            fence_async_shared()
-            mbarrier.arrive(bar_m.index(0))
-            acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
-            _zero_tail(kc.index(0).slice(0, HALF, dim=1), n0, end)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(0))
-            m_i = m0
-            if has1:
-                mbarrier.wait(bar_m.index(1), ph)
-                m1 = sm.slice(BLOCK_M, BLOCK_M).load(row_layout)
-                a1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
-                l_i = l_i * a1
-                acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
-                _zero_tail(kc.index(1).slice(0, HALF, dim=1), n1, end)
-                acc = warpgroup_mma(kp.index(1), kc.index(1).slice(0, HALF, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(3))
-                m_i = m1
-        else:
-            sc = s_zero
-            if has1:
-                sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero)
-            mbarrier.wait(bar_m.index(0), ph)
-            m0 = sm.slice(0, BLOCK_M).load(row_layout)
-            a0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
-            l_i = l_i * a0
-            m_i = m0
-            p = s_zero
-            a1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
-            if has1:
-                p, m_i, l_i, a1 = _softmax(sc, m0, l_i, n1, end, pos, offs_n, qk_scale)
-                kp.index(1).store(p.to(dtype))
-                sm.slice(BLOCK_M, BLOCK_M).store(m_i)
+    if seq >= 0:  # else a spare slot
+        b64 = seq.to(gl.int64)
+        rows_args = (m_block, b64, n_new, heads)
+        n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+        _load_q(q_ctx, rows_args, HALF_IDX)
+        rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        pos = seq_len - n_new + rows // heads  # causal among the new tokens
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        for k in range((n_tiles + 1) // 2):
+            ph = k & 1
+            n0 = start + 2 * k * BLOCK_N
+            n1 = n0 + BLOCK_N
+            has1 = 2 * k + 1 < n_tiles
+            if HALF_IDX == 0:
+                sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero)
+                p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
+                kp.index(0).store(p.to(dtype))
+                sm.slice(0, BLOCK_M).store(m0)
                 fence_async_shared()
-                mbarrier.arrive(bar_m.index(1))
-            acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
-            _zero_tail(kc.index(0).slice(HALF, HALF, dim=1), n0, end)
-            acc = warpgroup_mma(kp.index(0), kc.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(1))
-            if has1:
-                acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
-                _zero_tail(kc.index(1).slice(HALF, HALF, dim=1), n1, end)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(1).slice(HALF, HALF, dim=1),
-                                    acc, is_async=True)
+                mbarrier.arrive(bar_m.index(0))
+                acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
+                _zero_tail(kc.index(0).slice(0, HALF, dim=1), n0, end)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
+                                    is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(2))
-    # l: each warpgroup summed its own tiles' P (both under the final max): exchange through shared memory
-    sl.slice(HALF_IDX * BLOCK_M, BLOCK_M).store(l_i)
-    mbarrier.arrive(bar_m.index(2))
-    mbarrier.wait(bar_m.index(2), 0)
-    l_i = l_i + sl.slice((1 - HALF_IDX) * BLOCK_M, BLOCK_M).load(row_layout)
-    # both warpgroups are past their last wgmma: each takes a stage for its half of o
-    _epilogue(acc, m_i, l_i, out_args, rows_args, kc.index(HALF_IDX), HALF_IDX)
+                mbarrier.arrive(empty.index(0))
+                m_i = m0
+                if has1:
+                    mbarrier.wait(bar_m.index(1), ph)
+                    m1 = sm.slice(BLOCK_M, BLOCK_M).load(row_layout)
+                    a1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
+                    l_i = l_i * a1
+                    acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
+                    _zero_tail(kc.index(1).slice(0, HALF, dim=1), n1, end)
+                    acc = warpgroup_mma(kp.index(1), kc.index(1).slice(0, HALF, dim=1), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(3))
+                    m_i = m1
+            else:
+                sc = s_zero
+                if has1:
+                    sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero)
+                mbarrier.wait(bar_m.index(0), ph)
+                m0 = sm.slice(0, BLOCK_M).load(row_layout)
+                a0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
+                l_i = l_i * a0
+                m_i = m0
+                p = s_zero
+                a1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
+                if has1:
+                    p, m_i, l_i, a1 = _softmax(sc, m0, l_i, n1, end, pos, offs_n, qk_scale)
+                    kp.index(1).store(p.to(dtype))
+                    sm.slice(BLOCK_M, BLOCK_M).store(m_i)
+                    fence_async_shared()
+                    mbarrier.arrive(bar_m.index(1))
+                acc = acc * gl.convert_layout(a0, o_row_layout)[:, None]
+                _zero_tail(kc.index(0).slice(HALF, HALF, dim=1), n0, end)
+                acc = warpgroup_mma(kp.index(0), kc.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(1))
+                if has1:
+                    acc = acc * gl.convert_layout(a1, o_row_layout)[:, None]
+                    _zero_tail(kc.index(1).slice(HALF, HALF, dim=1), n1, end)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(1).slice(HALF, HALF, dim=1),
+                                        acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(2))
+        # l: each warpgroup summed its own tiles' P (both under the final max): exchange through shared memory
+        sl.slice(HALF_IDX * BLOCK_M, BLOCK_M).store(l_i)
+        mbarrier.arrive(bar_m.index(2))
+        mbarrier.wait(bar_m.index(2), 0)
+        l_i = l_i + sl.slice((1 - HALF_IDX) * BLOCK_M, BLOCK_M).load(row_layout)
+        # both warpgroups are past their last wgmma, so q is free: o goes out through this warpgroup's half of it
+        rows_total = n_new * heads
+        item_out = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows_total, slot.to(gl.int64) * rows_total, direct)
+        _epilogue(acc, m_i, l_i, item_out, rows_args, q_smem.slice(HALF_IDX * HALF, HALF, dim=1), HALF_IDX)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
-    """o = acc / l for this warpgroup's columns, through shared memory (buf: a free 64 KB stage) so that each warp
-    stores whole rows in 16-byte pieces: from the accumulator's registers a thread holds 2 columns of a row, and
-    those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE. Rows go
-    to the final output (final_row0: the sequence's first row; direct: its only chunk) or to the partials
+    """o = acc / l for this warpgroup's columns, through shared memory (buf: [BLOCK_M, 256] of q's, free by now) so
+    that each warp stores whole rows in 16-byte pieces: from the accumulator's registers a thread holds 2 columns of a
+    row, and those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE.
+    Rows go to the final output (final_row0: the sequence's first row; direct: its only chunk) or to the partials
     (part_row0: the slot's first row), both [rows, 512] / [rows] contiguous."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
     m_block, b64, n_new, heads = rows_args
@@ -299,11 +314,10 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
     empty_rows = l_i == 0.0
     l_safe = gl.where(empty_rows, 1.0, l_i)
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_dtype)
-    staged = buf._reinterpret(o_dtype, [BLOCK_M, HALF], gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=o_dtype.primitive_bitwidth, rank=2))
-    staged.store(out)
+    gl.static_assert(buf.dtype == o_dtype, "o is staged in q's shared memory: same dtype")
+    buf.store(out)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
-    out = staged.load(rows_layout)
+    out = buf.load(rows_layout)
     o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
     o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
     row_ok = (o_rows < n_new * heads)[:, None]
@@ -319,13 +333,13 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, rows_args, span, qk_scale):
-    _consumer(ctx, out_args, rows_args, span, qk_scale, 0)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, rows_args, span, qk_scale):
-    _consumer(ctx, out_args, rows_args, span, qk_scale, 1)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -352,12 +366,6 @@ def _mla_decode_ws_kernel(
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    m_block = gl.program_id(0)
-    slot = gl.program_id(1)
-    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
-    if seq < 0:  # a spare slot
-        return
-    b64 = seq.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -379,18 +387,15 @@ def _mla_decode_ws_kernel(
     mbarrier.init(bar_m.index(0), count=1)
     mbarrier.init(bar_m.index(1), count=1)
     mbarrier.init(bar_m.index(2), count=2)
-    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
-    bt_row = bt_ptr + b64 * stride_bt
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
-    rows = n_new * heads
-    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
-    rows_args = (m_block, b64, n_new, heads)
-    span = (start, end, n_tiles, seq_len)
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
+    slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, rows_args, span, qk_scale)),
-        (_consumer_worker, (ctx, out_args, rows_args, span, qk_scale)),
-        (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, n_tiles, n_rows, page_size, stride_cr, LATE_TRIGGER)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
