@@ -105,6 +105,27 @@ def sm_count(device) -> int:
     return _SM_COUNT[index]
 
 
+_DRAM_GBPS = {}
+
+
+def dram_gbps_per_sm(device) -> float:
+    """The device's peak DRAM bandwidth (GB/s, from its memory clock and bus width) per multiprocessor (cached): an
+    H100 SXM's 3.35 TB/s on 132 SMs is 25.4, an H200's 4.8 TB/s 36.4. 0 for the interpreter, and where the driver
+    does not report it (launch heuristics then take their default)."""
+    if device.type != "cuda":
+        return 0.0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DRAM_GBPS:
+        try:
+            from triton.testing import get_dram_gbps
+
+            gbps = get_dram_gbps(index)
+        except (ImportError, AttributeError, KeyError, RuntimeError):
+            gbps = 0.0
+        _DRAM_GBPS[index] = gbps / sm_count(device)
+    return _DRAM_GBPS[index]
+
+
 H100_L2_BYTES = 50 << 20
 
 

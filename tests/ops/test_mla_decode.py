@@ -461,13 +461,15 @@ def test_extra_wave_only_where_a_sequence_can_take_it(monkeypatch):
         assert not plan.ws and (plan.programs, plan.base, plan.slots) == (132, 132, 128 + 131), (ctx, plan)
 
 
-@pytest.mark.parametrize("gluon", [False, True])
-def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
+@pytest.mark.parametrize("gluon,dram", [(False, 25.4), (True, 25.4), (False, 36.4)])
+def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon, dram):
     """A uniform batch at max_context gets exactly decode_num_splits's chunks from the balanced schedule over the
-    plan's base slots (H100's 132 SMs; the Triton and the Gluon kernel's plans; 16 to 128 heads, 1–2 tokens, batch
-    1–256, contexts 1–128k). Where the plan has an extra wave, the cost rule may take it instead (B=70 at 8k: 3
-    chunks each rather than 70 programs on 132 SMs; test_schedule)."""
+    plan's base slots (132 SMs with an H100's DRAM GB/s per SM, and an H200's, where 16 rows may size the splits for
+    two programs an SM; the Triton and the Gluon kernel's plans; 16 to 128 heads, 1–2 tokens, batch 1–256, contexts
+    1–128k). Where the plan has an extra wave, the cost rule may take it instead (B=70 at 8k: 3 chunks each rather
+    than 70 programs on 132 SMs; test_schedule)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
     monkeypatch.setattr(kernels, "interpreting", lambda: not gluon)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: gluon)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
@@ -479,6 +481,44 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon):
                 chunk = -(-(-(-ctx // plan.splits)) // block_n) * block_n  # the static split's chunk (keys)
                 c, ranges = schedule.split_schedule([ctx] * batch, block_n, plan.base, plan.min_tiles)
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
+
+
+def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
+    """16 rows size their splits for two programs an SM on a GPU with an H200's DRAM GB/s per SM (36.4), where the
+    GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k / 32k); where keys set it (B=32 1k, B=1
+    1k–32k), on an H100's 25.4, and for 16 × 2 and 128 heads, the plan is the one-program-an-SM plan."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    shapes = ((32, 8192), (128, 1024), (128, 8192), (128, 32768), (32, 1024), (1, 1024), (1, 8192), (1, 32768))
+
+    def plans(dram, heads=16, n_new=1):
+        monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
+        return [kernels.decode_plan((batch, n_new, heads), cache, ctx) for batch, ctx in shapes]
+
+    slow, fast = plans(25.4), plans(36.4)
+    assert [p.splits for p in slow] == [4, 1, 1, 1, 4, 32, 64, 128]
+    assert [p.splits for p in fast] == [8, 2, 2, 2, 4, 32, 64, 128]
+    assert [p.wave for p in fast] == [264] * 4 + [132] * 4 and all(p.wave == 132 for p in slow)
+    assert fast[4:] == slow[4:]
+    for heads, n_new in ((16, 2), (128, 1)):
+        assert plans(36.4, heads, n_new) == plans(25.4, heads, n_new)
+
+
+def test_decode_two_programs_an_sm(monkeypatch):
+    """The two-programs-an-SM plan of a fast-DRAM GPU runs right: 4 SMs, 4 sequences of 513–700 keys take two
+    splits each (one on a slow-DRAM GPU), merged inside the kernel; NaN-poisoned outputs and partials, NaN past each
+    end, two calls."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = [600, 530, 513, 700]
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
+    _nan_past_ends(cache, tables, lens, 64)
+    assert kernels.decode_plan((4, 1, 16), cache, 700).splits == 2
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=700),
+                     q_nope, q_pe, cache, tables, seq_lens)
 
 
 @pytest.mark.parametrize("heads,n_new,lens,ranges,pieces", [

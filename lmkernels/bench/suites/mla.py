@@ -1,8 +1,8 @@
 """MLA absorbed decode, bf16 latent cache [pages, 64, 576]: B ∈ {1, 32, 128} × context ∈ {1k, 8k, 32k} × heads
-∈ {16, 128}, one query token, plus two-token (MTP) rows, against SDPA on the materialised equivalent (MQA:
-q [B, H, Q, 576] against one KV head k [B, 1, S, 576], v = its first 512 columns, enable_gqa) and FlashInfer's
-paged MLA decode where it is installed; then skewed batches (a few long sequences among short ones, informational:
-ours against its members run apart and against FlashInfer).
+∈ {16, 128}, one query token, plus two-token (MTP) rows and 128 heads at B=4 × 1k / 4k, against SDPA on the
+materialised equivalent (MQA: q [B, H, Q, 576] against one KV head k [B, 1, S, 576], v = its first 512 columns,
+enable_gqa) and FlashInfer's paged MLA decode where it is installed; then skewed batches (a few long sequences among
+short ones, informational: ours against its members run apart and against FlashInfer).
 
 FlashInfer (BatchMLAPagedAttentionWrapper, the strongest MLA peer that runs on these machines; FlashMLA does not
 travel) reads the same paged cache and page tables as ours, with q packed as [B·Q, H, 576]; each of its Hopper
@@ -52,7 +52,8 @@ GEMM_GOAL = 0.50
 # (batch, context, heads, query tokens)
 DECODE = (tuple((b, s, 16, 1) for b in (1, 32, 128) for s in (1024, 8192, 32768))
           + ((32, 8192, 16, 2), (128, 8192, 16, 2), (32, 8192, 128, 2))
-          + tuple((b, s, 128, 1) for b in (1, 32, 128) for s in (1024, 8192, 32768)))
+          + tuple((b, s, 128, 1) for b in (1, 32, 128) for s in (1024, 8192, 32768))
+          + ((4, 1024, 128, 1), (4, 4096, 128, 1)))  # small 128-head batches, where the merge's rounds weigh most
 QUICK = ((1, 1024, 16, 1), (32, 8192, 16, 1), (32, 8192, 128, 1), (32, 8192, 16, 2))
 SDPA_BACKENDS = ("efficient", "cudnn", "flash", "math")
 READ_MAX_BYTES = 1 << 30  # rows past this get no read ceiling (_read_ceiling)

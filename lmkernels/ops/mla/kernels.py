@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
+from ..._utils import dram_gbps_per_sm, gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
 from .schedule import (MAX_CHUNKS, PROGRAM_ROW_VALUES, RANGE_BLOCK, SCHEDULE_ROW, SWITCH_TILES, build_schedule,
                        merge_entries, program_rows, schedule_size)
@@ -659,6 +659,10 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
+# peak DRAM GB/s per SM from which decode_config's FAST_DRAM_PROGRAMS_PER_SM applies: between an H100 SXM's 25.4 and
+# an H200's 36.4 (the 16-row kernel's one program an SM, ~22 GB/s, keeps up with what the first's DRAM delivers, 23,
+# not with the second's, 32)
+FAST_DRAM_GBPS_PER_SM = 28.0
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -691,7 +695,13 @@ def decode_config(rows: int, fp8: bool = False):
     (104–190 KB); at 16 rows splits sized for 2 programs per SM (104 KB, 255 registers: −20% at B=32 8k and B=128
     1k); halves at 64 rows (+5%, fewer spills), not at 16 (−12%) (session l); ~30% of copy, slower than bf16 per
     call: the per-value dequantisation (e4m3 → fp32 · scale → 16 bit, staged through shared memory again) sets the
-    pace."""
+    pace.
+    FAST_DRAM_PROGRAMS_PER_SM: the programs per SM the splits are sized for on a GPU whose DRAM outruns one program
+    an SM (dram_gbps_per_sm ≥ FAST_DRAM_GBPS_PER_SM), where the GPU, not the keys, sets the split count (decode_plan).
+    One 16-row program streams ~22 GB/s (H100 2914 GB/s at B=128 8k, H200 3041): an H100's copy rate a SM, 23 GB/s,
+    but 70% of an H200's, 32. H200 A/B (NOTES, issue 6, session ac, a call making its own schedule): 2 against 1 a SM
+    B=32 8k 110.8 → 96.5 µs, B=128 1k 63.3 → 59.1, B=128 8k 398.4 → 312.4; where keys set the count (B=32 1k, B=1
+    32k) 2 was 35% slower; on the H100 2 was 4–6% slower everywhere (session o)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
@@ -705,7 +715,8 @@ def decode_config(rows: int, fp8: bool = False):
     if block_m == 32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
                     PROGRAMS_PER_SM=2, WS=True)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1,
+                FAST_DRAM_PROGRAMS_PER_SM=2)
 
 
 class DecodePlan(NamedTuple):
@@ -753,6 +764,7 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
                    BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    fast_dram_per_sm = cfg.pop("FAST_DRAM_PROGRAMS_PER_SM", per_sm)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     small_keys = cfg.pop("SMALL_MIN_KEYS", SMALL_MIN_KEYS)
     block_n = cfg["BLOCK_N"]
@@ -760,6 +772,10 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         slots = batch * num_splits
         return DecodePlan(cfg, ws, m_blocks, num_splits, slots, slots, slots, 1)
     num_sms = sm_count(cache.device)
+    if fast_dram_per_sm > per_sm and dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM:
+        fast_splits = decode_num_splits(batch, m_blocks, max_context, num_sms, fast_dram_per_sm, min_keys, small_keys)
+        if fast_splits >= (num_sms * fast_dram_per_sm // m_blocks) // batch:  # the GPU sets the count there
+            per_sm = fast_dram_per_sm
     splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys, small_keys)
     wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
     slots = triton.cdiv(batch * splits, wave) * wave
