@@ -511,11 +511,12 @@ def test_decode_two_programs_an_sm(monkeypatch):
     splits each (one on a slow-DRAM GPU), merged inside the kernel; NaN-poisoned outputs and partials, NaN past each
     end, two calls."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 4)
-    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
     monkeypatch.setattr(torch, "empty", nan_empty)
     lens = [600, 530, 513, 700]
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
     _nan_past_ends(cache, tables, lens, 64)
+    assert kernels.decode_plan((4, 1, 16), cache, 700).splits == 1
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
     assert kernels.decode_plan((4, 1, 16), cache, 700).splits == 2
     _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=700),
                      q_nope, q_pe, cache, tables, seq_lens)
