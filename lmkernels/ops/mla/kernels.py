@@ -772,17 +772,22 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         slots = batch * num_splits
         return DecodePlan(cfg, ws, m_blocks, num_splits, slots, slots, slots, 1)
     num_sms = sm_count(cache.device)
+
+    def split_count(per_sm):
+        """(splits, wave: chunk slots that run at once, keys_set: whether keys, not the GPU, set the count: min_keys,
+        the short-context rules, the cap)."""
+        splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys, small_keys)
+        wave = max(1, num_sms * per_sm // m_blocks)
+        return splits, wave, splits < wave // batch
+
     if fast_dram_per_sm > per_sm and dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM:
-        fast_splits = decode_num_splits(batch, m_blocks, max_context, num_sms, fast_dram_per_sm, min_keys, small_keys)
-        if fast_splits >= (num_sms * fast_dram_per_sm // m_blocks) // batch:  # the GPU sets the count there
+        if not split_count(fast_dram_per_sm)[2]:
             per_sm = fast_dram_per_sm
-    splits = decode_num_splits(batch, m_blocks, max_context, num_sms, per_sm, min_keys, small_keys)
-    wave = max(1, num_sms * per_sm // m_blocks)  # chunk slots that run at once
+    splits, wave, keys_set = split_count(per_sm)
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
-    # where keys, not the GPU, set the count (splits < wave // batch: min_keys, the short-context rules, the cap),
-    # chunks stay that long; where the GPU did, long sequences may take shorter ones, down to min_keys
-    keys_set = splits < wave // batch
+    # where keys set the count, chunks stay that long; where the GPU did, long sequences may take shorter ones, down to
+    # min_keys
     min_tiles = chunk if keys_set else min(triton.cdiv(min_keys, block_n), chunk)
     if ws and (keys_set or batch == 1):  # then no schedule cuts a sequence of ≤ max_context keys into more chunks
         # than the static split, so the Gluon launch stops there: slots past it would only start and return (128 heads
