@@ -85,7 +85,8 @@ def main(argv=None):
     from . import schedule as S
 
     sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)
-    _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce, 4, 1))
+    _show("mla schedule", compile_kernel(S._schedule_kernel, dict(len_ptr="*i32", sched_ptr="*i32"), sce,
+                                         S.SCHEDULE_WARPS, 1))
     rce = dict(BLOCK_N=32, MAX_CHUNKS=S.MAX_CHUNKS, BLOCK=S.RANGE_BLOCK, K=S.CANDIDATES,
                CUT=S.RANGE_CUT_TILES, DRAM=S.DRAM_PROGRAMS)
     _show("mla schedule of programs", compile_kernel(S._program_schedule_kernel, dict(len_ptr="*i32",

@@ -51,6 +51,7 @@ PDL = True  # launch with programmatic dependent launch (Hopper; see _schedule_k
 # 1 × 8k + 127 × 512 in 16-tile chunks over two waves (against 52 in one) was 25% faster, so < 20. Gluon, 128 heads,
 # 1 × 8k + 127 × 512 in three waves of 8-tile chunks was 7% slower than two waves with 26-tile ones, so > 10.7
 SWITCH_TILES = 16
+SCHEDULE_WARPS = 8  # _schedule_kernel's (build_schedule says why)
 RANGE_BLOCK = 1024  # a launch of programs: sequences and pieces in registers (slots = batch + programs − 1)
 RANGE_BLOCK_MIN = 256  # … in blocks of the slots' power of 2, at least this
 # The cost rule between chunks and ranges, in key tiles of one program streaming alone (H100, NOTES, issue 6, session
@@ -371,9 +372,13 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
                                        CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl, num_warps=8,
                                        **({"launch_pdl": True} if pdl else {}))
         return sched
+    # 8 warps: half a thread's share of each [SEQ_BLOCK, K] search tile, so 35% less code (57 against 87 KB of SASS).
+    # Placed before a 128-head decode call on the H200 (NOTES, issue 6, session ad) the kernel adds 10.0–11.4 µs to
+    # it at 8 warps against 12.8–15.9 at 4, though back to back it takes 2.7–4.8 µs at either (probably its code
+    # fetched cold: the decode's reads flush L2, and a tiny kernel there costs only its own time)
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
-                           SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=4,
+                           SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=SCHEDULE_WARPS,
                            **({"launch_pdl": True} if pdl else {}))
     return sched
 
