@@ -485,23 +485,26 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon, dram):
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
     """16 rows size their splits for two programs an SM on a GPU with an H200's DRAM GB/s per SM (36.4), where the
-    GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k / 32k); where keys set it (B=32 1k, B=1
-    1k–32k), on an H100's 25.4, and for 16 × 2 and 128 heads, the plan is the one-program-an-SM plan."""
+    GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k / 32k); where keys set it the plan stays
+    at one program an SM, and small batches there cut their splits down to 32 keys instead of 128 (B=1 4k / 8k: 128
+    splits, B=2 4k: 66, B=4 4k: 33; not B=4 4k at two an SM). On an H100's 25.4, and for 16 × 2 and 128 heads,
+    the plans are the one-program-an-SM plans with 128-key small splits."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
-    shapes = ((32, 8192), (128, 1024), (128, 8192), (128, 32768), (32, 1024), (1, 1024), (1, 8192), (1, 32768))
+    shapes = ((32, 8192), (128, 1024), (128, 8192), (128, 32768), (32, 1024), (1, 1024), (1, 32768), (1, 4096),
+              (1, 8192), (2, 4096), (4, 4096))
 
     def plans(dram, heads=16, n_new=1):
         monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
         return [kernels.decode_plan((batch, n_new, heads), cache, ctx) for batch, ctx in shapes]
 
     slow, fast = plans(25.4), plans(36.4)
-    assert [p.splits for p in slow] == [4, 1, 1, 1, 4, 32, 64, 128]
-    assert [p.splits for p in fast] == [8, 2, 2, 2, 4, 32, 64, 128]
-    assert [p.wave for p in fast] == [264] * 4 + [132] * 4 and all(p.wave == 132 for p in slow)
-    assert fast[4:] == slow[4:]
+    assert [p.splits for p in slow] == [4, 1, 1, 1, 4, 32, 128, 32, 64, 32, 32]
+    assert [p.splits for p in fast] == [8, 2, 2, 2, 4, 32, 128, 128, 128, 66, 33]
+    assert [p.wave for p in fast] == [264] * 4 + [132] * 7 and all(p.wave == 132 for p in slow)
+    assert fast[4:7] == slow[4:7]
     for heads, n_new in ((16, 2), (128, 1)):
         assert plans(36.4, heads, n_new) == plans(25.4, heads, n_new)
 

@@ -18,6 +18,7 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("PROGRAMS_PER_SM", None)  # launcher-side keys, not kernel constexprs
     cfg.pop("FAST_DRAM_PROGRAMS_PER_SM", None)
+    cfg.pop("FAST_DRAM_SMALL_MIN_KEYS", None)
     types = dict(qn_ptr="*bf16", qp_ptr="*bf16", c_ptr="*" + cache, s_ptr="*fp32", bt_ptr="*i32", len_ptr="*i32",
                  o_ptr="*bf16", lse_ptr="*fp32", po_ptr="*bf16" if K.FUSED_MERGE else "*fp32", pl_ptr="*fp32",
                  sched_ptr="*i32", prog_ptr="*i32", cnt_ptr="*i32", qk_scale="fp32")

@@ -701,7 +701,12 @@ def decode_config(rows: int, fp8: bool = False):
     One 16-row program streams ~22 GB/s (H100 2914 GB/s at B=128 8k, H200 3041): an H100's copy rate a SM, 23 GB/s,
     but 70% of an H200's, 32. H200 A/B (NOTES, issue 6, session ac, a call making its own schedule): 2 against 1 a SM
     B=32 8k 110.8 → 96.5 µs, B=128 1k 63.3 → 59.1, B=128 8k 398.4 → 312.4; where keys set the count (B=32 1k, B=1
-    32k) 2 was 35% slower; on the H100 2 was 4–6% slower everywhere (session o)."""
+    32k) 2 was 35% slower; on the H100 2 was 4–6% slower everywhere (session o).
+    FAST_DRAM_SMALL_MIN_KEYS: on such a GPU, where a small batch leaves SMs idle and the plan stays at one program an
+    SM, splits shrink to this many keys (decode_num_splits's small_keys) rather than SMALL_MIN_KEYS. H200 A/B (NOTES,
+    issue 6, session ad; shared schedule, µs): B=1 2k 11.5 → 10.3 (32 → 64 splits), 4k 14.3 → 11.4 (32 → 128), 8k
+    14.9 → 13.1 (64 → 128; the H100's pick there was 64, session w), B=2 4k 15.0 → 13.2 (32 → 66); B=1 1k / 32k,
+    B=2 8k, B=4 2k / 8k and B=8 4k keep their counts or time."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     if fp8:
         if block_m >= 64:
@@ -716,7 +721,7 @@ def decode_config(rows: int, fp8: bool = False):
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
                     PROGRAMS_PER_SM=2, WS=True)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1,
-                FAST_DRAM_PROGRAMS_PER_SM=2)
+                FAST_DRAM_PROGRAMS_PER_SM=2, FAST_DRAM_SMALL_MIN_KEYS=32)
 
 
 class DecodePlan(NamedTuple):
@@ -767,6 +772,7 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     fast_dram_per_sm = cfg.pop("FAST_DRAM_PROGRAMS_PER_SM", per_sm)
     min_keys = cfg.pop("MIN_KEYS", MIN_KEYS_PER_SPLIT)
     small_keys = cfg.pop("SMALL_MIN_KEYS", SMALL_MIN_KEYS)
+    fast_small_keys = cfg.pop("FAST_DRAM_SMALL_MIN_KEYS", small_keys)
     block_n = cfg["BLOCK_N"]
     if num_splits:
         slots = batch * num_splits
@@ -780,9 +786,11 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         wave = max(1, num_sms * per_sm // m_blocks)
         return splits, wave, splits < wave // batch
 
-    if fast_dram_per_sm > per_sm and dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM:
-        if not split_count(fast_dram_per_sm)[2]:
+    if dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM:
+        if fast_dram_per_sm > per_sm and not split_count(fast_dram_per_sm)[2]:
             per_sm = fast_dram_per_sm
+        else:  # (not before that test: 16 heads B=4 4k at 66 splits two an SM was 9% slower than 32 one an SM)
+            small_keys = fast_small_keys
     splits, wave, keys_set = split_count(per_sm)
     slots = triton.cdiv(batch * splits, wave) * wave
     chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
