@@ -372,10 +372,10 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
                                        CUT=RANGE_CUT_TILES, DRAM=DRAM_PROGRAMS, USE_PDL=pdl, num_warps=8,
                                        **({"launch_pdl": True} if pdl else {}))
         return sched
-    # 8 warps: half a thread's share of each [SEQ_BLOCK, K] search tile, so 35% less code (57 against 87 KB of SASS).
-    # Placed before a 128-head decode call on the H200 (NOTES, issue 6, session ad) the kernel adds 10.0–11.4 µs to
-    # it at 8 warps against 12.8–15.9 at 4, though back to back it takes 2.7–4.8 µs at either (probably its code
-    # fetched cold: the decode's reads flush L2, and a tiny kernel there costs only its own time)
+    # 8 warps: half a thread's share of each [SEQ_BLOCK, K] search tile (57 against 87 KB of SASS). Placed between two
+    # 128-head decode calls on the H200 (NOTES, issue 6, session ad) the kernel adds 10.0–11.4 µs to the call at 8
+    # warps against 12.8–15.9 at 4, though it takes 2.4–4.8 µs at either back to back or after an L2 flush (why it
+    # costs more there is not known; a model's layers share one schedule a step, so only call mode pays it)
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
                            SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=SCHEDULE_WARPS,
