@@ -525,6 +525,24 @@ def test_decode_two_programs_an_sm(monkeypatch):
                      q_nope, q_pe, cache, tables, seq_lens)
 
 
+def test_decode_small_batch_fast_dram_splits(monkeypatch):
+    """The small-batch plan of a fast-DRAM GPU runs right: on 64 SMs one sequence of 2040 keys (up to 2048) takes 64
+    chunks of one 32-key tile (32 of two on a slow-DRAM GPU), merged after the kernel; NaN-poisoned outputs and
+    partials, NaN past the end, two calls."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 64)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = [2040]
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
+    _nan_past_ends(cache, tables, lens, 64)
+    plan = kernels.decode_plan((1, 1, 16), cache, 2048)
+    assert (plan.splits, plan.min_tiles) == (32, 2)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
+    plan = kernels.decode_plan((1, 1, 16), cache, 2048)
+    assert (plan.splits, plan.min_tiles) == (64, 1)
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=2048),
+                     q_nope, q_pe, cache, tables, seq_lens)
+
+
 @pytest.mark.parametrize("heads,n_new,lens,ranges,pieces", [
     (16, 1, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]), (16, 2, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]),
     (128, 1, [600, 3, 17, 0, 45], False, [2, 1, 1, 1, 1]),
