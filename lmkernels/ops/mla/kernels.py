@@ -789,7 +789,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     if dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM:
         if fast_dram_per_sm > per_sm and not split_count(fast_dram_per_sm)[2]:
             per_sm = fast_dram_per_sm
-        else:  # (not before that test: 16 heads B=4 4k at 66 splits two an SM was 9% slower than 32 one an SM)
+        else:  # staying at one program an SM, small batches split finer; only after the test above, or the finer
+            # split could tip it to two an SM (16 heads B=4 4k: 66 splits two an SM 9% slower than 33 one an SM)
             small_keys = fast_small_keys
     splits, wave, keys_set = split_count(per_sm)
     slots = triton.cdiv(batch * splits, wave) * wave
