@@ -483,6 +483,43 @@ def test_uniform_batches_keep_the_heuristic_splits(monkeypatch, gluon, dram):
                 assert ranges[0][1] == -(-ctx // chunk), (heads, n_new, batch, ctx)
 
 
+@pytest.mark.parametrize("dram", [25.4, 36.4])
+def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
+    """One or two sequences (132 SMs, an H100's and an H200's DRAM GB/s per SM, the Triton and the Gluon kernel's
+    plans, 16, 16 × 2 and 128 heads): the static split's chunk never shrinks as the context grows (from 96 keys;
+    below, the short-context splits of ≥ 32 keys): whole tiles do not undo a split count (a 16-head sequence of 1000
+    keys gets 32 one-tile chunks, as one of 1024, not 16 of two), and no context between the small-batch rule and a
+    full GPU gets fewer, longer chunks (20000 keys: 125 chunks of 5 tiles, not 70 of 9). The Gluon launch has no
+    slot past batch × ⌈tiles / min_tiles⌉ (no schedule fills one)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    for gluon in (False, True):
+        monkeypatch.setattr(kernels, "_ws_supported", lambda cache: gluon)
+        for heads, n_new in ((16, 1), (16, 2), (128, 1)):
+            for batch in (1, 2):
+                last = (0, 0)
+                for ctx in list(range(96, 4096, 37)) + list(range(4096, 140000, 997)):
+                    plan = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+                    tiles = -(-ctx // plan.cfg["BLOCK_N"])
+                    c, _ = schedule.split_schedule([ctx] * batch, plan.cfg["BLOCK_N"], plan.base, plan.min_tiles)
+                    assert c >= last[0], (gluon, heads, n_new, batch, last, ctx, c)
+                    last = (c, ctx)
+                    if plan.ws:
+                        assert plan.slots <= batch * -(-tiles // plan.min_tiles), (heads, n_new, batch, ctx, plan)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: False)
+    plans = {ctx: kernels.decode_plan((1, 1, 16), cache, ctx) for ctx in (1000, 1024, 2000, 20000)}
+    assert [(p.splits, p.min_tiles) for p in plans.values()] == [  # (the H100's small splits: ≥ 128 keys)
+        (32, 1), (32, 1), (63, 1) if dram > 28 else (32, 2), (128, 5)]
+    assert (kernels.decode_plan((3, 1, 16), cache, 8192).min_tiles, kernels.decode_plan((32, 1, 16), cache, 1000)
+            .min_tiles) == (6, 8)  # up to one program an SM: 43 chunks of 6 tiles, not 32 of 8; 4 of 8, not 3 of 11
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    # 128 heads (two m-blocks a sequence): 63 chunks of two 64-key tiles at 8000 keys, not 42 of three; at 3000 keys
+    # 24 of two, not one-tile chunks (7% slower); B=3 4k keeps 16 chunks of 4 tiles (22 of 3 were 6% slower)
+    assert [kernels.decode_plan((b, 1, 128), cache, ctx)[7] for b, ctx in ((1, 8000), (1, 3000), (3, 4096))] == [2, 2, 4]
+
+
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
     """16 rows size their splits for two programs an SM on a GPU with an H200's DRAM GB/s per SM (36.4), where the
     GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k / 32k); where keys set it the plan stays
@@ -525,21 +562,24 @@ def test_decode_two_programs_an_sm(monkeypatch):
                      q_nope, q_pe, cache, tables, seq_lens)
 
 
-def test_decode_small_batch_fast_dram_splits(monkeypatch):
+@pytest.mark.parametrize("length,max_len,slow_plan,fast_plan", [(2040, 2048, (32, 2), (64, 1)),
+                                                                  (1990, 2000, (32, 2), (63, 1))])
+def test_decode_small_batch_fast_dram_splits(monkeypatch, length, max_len, slow_plan, fast_plan):
     """The small-batch plan of a fast-DRAM GPU runs right: on 64 SMs one sequence of 2040 keys (up to 2048) takes 64
-    chunks of one 32-key tile (32 of two on a slow-DRAM GPU), merged after the kernel; NaN-poisoned outputs and
-    partials, NaN past the end, two calls."""
+    chunks of one 32-key tile (32 of two on a slow-DRAM GPU), of 1990 keys (up to 2000: 62 splits, which whole
+    tiles would make 32 chunks of two) 63; merged after the kernel; NaN-poisoned outputs and partials, NaN past the
+    end, two calls."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 64)
     monkeypatch.setattr(torch, "empty", nan_empty)
-    lens = [2040]
+    lens = [length]
     q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
     _nan_past_ends(cache, tables, lens, 64)
-    plan = kernels.decode_plan((1, 1, 16), cache, 2048)
-    assert (plan.splits, plan.min_tiles) == (32, 2)
+    plan = kernels.decode_plan((1, 1, 16), cache, max_len)
+    assert (plan.splits, plan.min_tiles) == slow_plan
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
-    plan = kernels.decode_plan((1, 1, 16), cache, 2048)
-    assert (plan.splits, plan.min_tiles) == (64, 1)
-    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=2048),
+    plan = kernels.decode_plan((1, 1, 16), cache, max_len)
+    assert (plan.splits, plan.min_tiles) == fast_plan
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=max_len),
                      q_nope, q_pe, cache, tables, seq_lens)
 
 

@@ -793,16 +793,25 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
             # split could tip it to two an SM (16 heads B=4 4k: 66 splits two an SM 9% slower than 33 one an SM)
             small_keys = fast_small_keys
     splits, wave, keys_set = split_count(per_sm)
+    tiles = triton.cdiv(max_context, block_n)
+    chunk = max(1, triton.cdiv(tiles, splits))  # the heuristic's, in tiles
+    # whole tiles can make far fewer chunks than splits (2000 keys, 62 splits: 32 chunks of two 32-key tiles); then a
+    # tile less a chunk where its chunks still fit one wave (63 of one tile: 16 heads −10%, NOTES, issue 6, session
+    # ae), in the Gluon kernel not below small_keys keys (128 heads B=1 3000: 47 one-tile chunks +7% against 24)
+    smallest = triton.cdiv(small_keys, block_n) if ws else 1
+    if (chunk > smallest and triton.cdiv(tiles, chunk) < splits <= wave // batch
+            and triton.cdiv(tiles, chunk - 1) <= wave // batch):
+        chunk -= 1
+        splits = max(splits, triton.cdiv(tiles, chunk))
     slots = triton.cdiv(batch * splits, wave) * wave
-    chunk = max(1, triton.cdiv(triton.cdiv(max_context, splits), block_n))  # the heuristic's, in tiles
     # where keys set the count, chunks stay that long; where the GPU did, long sequences may take shorter ones, down to
     # min_keys
     min_tiles = chunk if keys_set else min(triton.cdiv(min_keys, block_n), chunk)
-    if ws and (keys_set or batch == 1):  # then no schedule cuts a sequence of ≤ max_context keys into more chunks
-        # than the static split, so the Gluon launch stops there: slots past it would only start and return (128 heads
-        # B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one a sequence at least
-        # (max_context 0: each writes its empty output)
-        slots = max(batch, min(slots, batch * triton.cdiv(max_context, chunk * block_n)))
+    if ws:  # no schedule cuts a sequence of ≤ max_context keys into more than ⌈tiles / min_tiles⌉ chunks (one
+        # sequence: the static split's), so the Gluon launch stops there: slots past it would only start and return
+        # (128 heads B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one a sequence at
+        # least (max_context 0: each writes its empty output)
+        slots = max(batch, min(slots, batch * triton.cdiv(tiles, chunk if batch == 1 else min_tiles)))
     if not ws and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
         return DecodePlan(cfg, ws, m_blocks, splits, batch + slots - 1, slots, wave, min_tiles, slots)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
@@ -830,7 +839,8 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
     """Splits of the key range so that batch × m_blocks × splits programs fill the GPU once (num_sms × per_sm
     programs that fit at a time), rounded down so that no second, nearly empty wave follows, each split keeping
     ≥ min_keys keys, at most AUTO_MAX_SPLITS. Where that leaves fewer programs than half the SMs (small
-    batches), splits shrink to ~small_keys keys, and short contexts get SHORT_SPLITS splits of ≥ 32 keys.
+    batches), splits shrink to ~small_keys keys, and short contexts get SHORT_SPLITS splits of ≥ 32 keys; where it
+    leaves fewer programs than SMs (one m-block a sequence), up to one program an SM of ≥ small_keys keys.
     Shapes only (CUDA graphs). From the H100 A/Bs (benchmarks/NOTES.md, issue 6): B=1, 16 heads: 32 splits at
     1k, 64 at 8k, 128 at 32k; B=32 at 1k wants 4 splits of 256 keys (17 splits: −40%); rounding down instead
     of up (B=32 8k, 16 heads: 8 splits = 256 programs on 264 slots, not 17 = 2.06 waves) +9–15% at 16 heads,
@@ -840,6 +850,10 @@ def decode_num_splits(batch: int, m_blocks: int, max_context: int, num_sms: int,
     fit = max(1, max_context // min_keys)
     if programs * fit < num_sms // 2:
         fit = max(fit, max_context // small_keys, min(SHORT_SPLITS, max_context // 32))
+    elif programs * fit < num_sms and m_blocks == 1:  # … and where it leaves some SMs idle, up to one program an SM
+        # of ≥ small_keys keys (16 heads: B=1 20k 78 → 128 splits −21%, B=3 8k 32 → 44 −10%; 128 heads, two m-blocks
+        # a sequence, B=3 4k 16 → 22 was 6% slower; NOTES, issue 6, session ae)
+        fit = max(fit, min(num_sms // programs, max_context // small_keys))
     return max(1, min(fill, fit, AUTO_MAX_SPLITS))
 
 
