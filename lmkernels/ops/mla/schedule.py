@@ -138,12 +138,12 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
     slots, in registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1
     everywhere, each sequence's number at its first chunk's slot, a running max), three passes of slots / threads
     stores, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with
-    programmatic dependent launch: waits for the kernel before it (the lengths), then lets a decode kernel launched
-    so (the Gluon kernel's; the Triton kernel's is not, kernels.TRITON_PDL) take the other SMs and wait there (this
-    kernel needs one)."""
+    programmatic dependent launch: starts while the kernel before it drains and waits for it (the lengths). It does
+    not release the decode kernel after it early: that (the Gluon kernel's) takes a whole SM's registers a program,
+    and dispatched while this program still held an SM it ran slower, 128 heads B=32 32k 596 against 572 µs released
+    at this kernel's exit, short calls ±1 µs (H200, NOTES, issue 6, session ae)."""
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
     i0 = tl.arange(0, SEQ_BLOCK)
     len0 = tl.load(len_ptr + i0, mask=i0 < batch, other=0).to(tl.int32)
     total = 0  # key tiles
@@ -373,9 +373,10 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
                                        **({"launch_pdl": True} if pdl else {}))
         return sched
     # 8 warps: half a thread's share of each [SEQ_BLOCK, K] search tile (57 against 87 KB of SASS). Placed between two
-    # 128-head decode calls on the H200 (NOTES, issue 6, session ad) the kernel adds 10.0–11.4 µs to the call at 8
-    # warps against 12.8–15.9 at 4, though it takes 2.4–4.8 µs at either back to back or after an L2 flush (why it
-    # costs more there is not known; a model's layers share one schedule a step, so only call mode pays it)
+    # 128-head decode calls on the H200 the kernel adds 10.0–11.4 µs to the call at 8 warps against 12.8–15.9 at 4,
+    # though it takes 2.4–4.8 µs alone (session ad): the Gluon decode after it fetches its code cold again, ~7 µs after
+    # 57–64 KB of another kernel's code, ~4 after 32 KB (session ae, NOTES, issue 6). A model's layers share one
+    # schedule a step, so only call mode pays it
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
                            MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
                            SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=SCHEDULE_WARPS,
