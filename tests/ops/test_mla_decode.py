@@ -512,12 +512,13 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
     plans = {ctx: kernels.decode_plan((1, 1, 16), cache, ctx) for ctx in (1000, 1024, 2000, 20000)}
     assert [(p.splits, p.min_tiles) for p in plans.values()] == [  # (the H100's small splits: ≥ 128 keys)
         (32, 1), (32, 1), (63, 1) if dram > 28 else (32, 2), (128, 5)]
-    assert (kernels.decode_plan((3, 1, 16), cache, 8192).min_tiles, kernels.decode_plan((32, 1, 16), cache, 1000)
-            .min_tiles) == (6, 8)  # up to one program an SM: 43 chunks of 6 tiles, not 32 of 8; 4 of 8, not 3 of 11
+    # up to one program an SM: B=3 8k 43 chunks of 6 tiles, not 32 of 8; B=32 1000 keys 4 of 8, not 3 of 11
+    assert [kernels.decode_plan((b, 1, 16), cache, ctx).min_tiles for b, ctx in ((3, 8192), (32, 1000))] == [6, 8]
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     # 128 heads (two m-blocks a sequence): 63 chunks of two 64-key tiles at 8000 keys, not 42 of three; at 3000 keys
     # 24 of two, not one-tile chunks (7% slower); B=3 4k keeps 16 chunks of 4 tiles (22 of 3 were 6% slower)
-    assert [kernels.decode_plan((b, 1, 128), cache, ctx)[7] for b, ctx in ((1, 8000), (1, 3000), (3, 4096))] == [2, 2, 4]
+    assert [kernels.decode_plan((b, 1, 128), cache, ctx).min_tiles
+            for b, ctx in ((1, 8000), (1, 3000), (3, 4096))] == [2, 2, 4]
 
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
