@@ -132,12 +132,15 @@ def _busiest(c, chunks, total, wave, switch):
 @triton.jit(do_not_specialize=["batch", "slots", "base", "wave", "min_tiles"])  # one compile for every batch size
 def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BLOCK_N: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, SEQ_BLOCK: tl.constexpr, K: tl.constexpr, SWITCH: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     EXTRA_WAVE: tl.constexpr, TABLE: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program writes the whole schedule (module docstring; base = slots: no extra wave). The chunk-size search
     keeps c in [lo, hi] (_smallest_fit); none for a uniform batch. Slots → sequences: where the chunks fit SEQ_BLOCK
     slots, in registers (a histogram of the first chunks' slots, summed as it runs); otherwise through the table (−1
     everywhere, each sequence's number at its first chunk's slot, a running max), three passes of slots / threads
-    stores, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). USE_PDL: launched with
+    stores, where a [sequences, chunks] tile of stores cost ~10 µs at B=1 (H100, session o). EXTRA_WAVE (slots > base)
+    and TABLE (slots > SEQ_BLOCK) leave out the code of the extra wave's search and of the table where the plan
+    cannot use them: 23 KB of SASS instead of 55 for most plans, since the decode after this kernel fetches its own
+    code again, the more the bigger this kernel (~0.1 µs a KB, H200, NOTES, issue 6, session ae). USE_PDL: launched with
     programmatic dependent launch: starts while the kernel before it drains and waits for it (the lengths). It does
     not release the decode kernel after it early: that (the Gluon kernel's) takes a whole SM's registers a program,
     and dispatched while this program still held an SM it ran slower, 128 heads B=32 32k 596 against 572 µs released
@@ -169,7 +172,7 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
     else:
         lo = tl.maximum(floor, tl.cdiv(total, base))
         c = _smallest_fit(len_ptr, batch, len0, lo, tl.maximum(lo, tl.cdiv(most, base // batch)), base, K, BLOCK_N)
-        if slots > base:  # the extra wave, where it can lower the busiest slot's work
+        if EXTRA_WAVE:  # (slots > base) the extra wave, where it can lower the busiest slot's work
             cost = c  # (wave = base: the base's chunks run at once)
             if wave < base:
                 cost = _busiest(c, tl.max(_chunk_counts(len_ptr, batch, len0, tl.full([K], c, tl.int32), BLOCK_N),
@@ -201,9 +204,8 @@ def _schedule_kernel(len_ptr, sched_ptr, batch, slots, base, wave, min_tiles, BL
             own = tl.maximum(seq, 0)
             _store_slots(sched_ptr + i0 * SCHEDULE_ROW, seq, tl.gather(len0, own, 0), tl.gather(first, own, 0),
                          tl.gather(n, own, 0), i0, chunk_keys, i0 < slots)
-        else:
-            # then each sequence's number at its first chunk's slot, then a running max over the slots gives every
-            # slot its sequence
+        elif TABLE:  # (slots > SEQ_BLOCK: with fewer, every sequence fits the registers) each sequence's number
+            # at its first chunk's slot, then a running max over the slots gives every slot its sequence
             tl.debug_barrier()  # (global stores are visible to the block's other threads after a barrier)
             done = 0  # slots taken by the sequences before this block
             merged = 0  # merge-list entries so far
@@ -378,8 +380,8 @@ def build_schedule(seq_lens: torch.Tensor, block_n: int, slots: int, min_tiles: 
     # 57–64 KB of another kernel's code, ~4 after 32 KB (session ae, NOTES, issue 6). A model's layers share one
     # schedule a step, so only call mode pays it
     _schedule_kernel[(1,)](seq_lens, sched, batch, slots, base, wave or base, min_tiles, BLOCK_N=block_n,
-                           MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES,
-                           SWITCH=SWITCH_TILES, USE_PDL=pdl, num_warps=SCHEDULE_WARPS,
+                           MAX_CHUNKS=MAX_CHUNKS, SEQ_BLOCK=SEQ_BLOCK, K=CANDIDATES, SWITCH=SWITCH_TILES,
+                           EXTRA_WAVE=slots > base, TABLE=slots > SEQ_BLOCK, USE_PDL=pdl, num_warps=SCHEDULE_WARPS,
                            **({"launch_pdl": True} if pdl else {}))
     return sched
 
