@@ -584,6 +584,21 @@ def test_decode_small_batch_fast_dram_splits(monkeypatch, length, max_len, slow_
                      q_nope, q_pe, cache, tables, seq_lens)
 
 
+def test_decode_fills_one_program_an_sm(monkeypatch):
+    """Where 256-key splits would leave SMs idle (2 sequences × 2 splits on 8 SMs) the plan takes up to one program an
+    SM: 4 chunks of 6 tiles a sequence instead of 2 of 11, and they run right; uneven lengths, NaN-poisoned outputs
+    and partials, NaN past each end, two calls."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 8)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = [700, 613]
+    q_nope, q_pe, cache, _, tables, seq_lens = _setup(lens, heads=16, n_new=1, page=64)
+    _nan_past_ends(cache, tables, lens, 64)
+    plan = kernels.decode_plan((2, 1, 16), cache, 700)
+    assert (plan.splits, plan.min_tiles) == (4, 6)
+    _check_two_calls(lambda: mla_decode(q_nope, q_pe, cache, tables, seq_lens, scale=SCALE, max_seqlen_k=700),
+                     q_nope, q_pe, cache, tables, seq_lens)
+
+
 @pytest.mark.parametrize("heads,n_new,lens,ranges,pieces", [
     (16, 1, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]), (16, 2, [600, 3, 17, 0, 45], False, [3, 1, 1, 1, 1]),
     (128, 1, [600, 3, 17, 0, 45], False, [2, 1, 1, 1, 1]),
