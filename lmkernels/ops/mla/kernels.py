@@ -798,9 +798,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     # whole tiles can make far fewer chunks than splits (2000 keys, 62 splits: 32 chunks of two 32-key tiles); then a
     # tile less a chunk where its chunks still fit one wave (63 of one tile: 16 heads −10%, NOTES, issue 6, session
     # ae), in the Gluon kernel not below small_keys keys (128 heads B=1 3000: 47 one-tile chunks +7% against 24)
-    smallest = triton.cdiv(small_keys, block_n) if ws else 1
-    if (chunk > smallest and triton.cdiv(tiles, chunk) < splits <= wave // batch
-            and triton.cdiv(tiles, chunk - 1) <= wave // batch):
+    smallest, one_wave = (triton.cdiv(small_keys, block_n) if ws else 1), wave // batch
+    if (chunk > smallest and triton.cdiv(tiles, chunk) < splits <= one_wave
+            and triton.cdiv(tiles, chunk - 1) <= one_wave):
         chunk -= 1
         splits = max(splits, triton.cdiv(tiles, chunk))
     slots = triton.cdiv(batch * splits, wave) * wave
