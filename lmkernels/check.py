@@ -245,6 +245,13 @@ def _mla_cases(big, dev, dt):
         yield (f"mla_decode({heads} heads, q {n_new})", qn.shape,
                lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07)[0],
                lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+        if n_new == 1 and heads == 16:  # chunks of ≥ 4 tiles: the few-rows Gluon kernel on a fast-DRAM Hopper
+            for h, splits in ((16, 4), (8, 1)):
+                qf, qpf = qn[:, :, :h], qp[:, :, :h]
+                yield (f"mla_decode({h} heads, {splits} splits)", qf.shape,
+                       lambda qf=qf, qpf=qpf, s=splits: mla.mla_decode(qf, qpf, cache, tables, seq_lens, scale=0.07,
+                                                                       num_splits=s)[0],
+                       lambda qf=qf, qpf=qpf: ref.mla_decode(qf, qpf, cache, tables, seq_lens, 0.07)[0])
         if n_new == 1:  # the step's schedule made once, as a model's layers share it
             step = mla.mla_decode_schedule(cache, tables, seq_lens, num_heads=heads)
             yield (f"mla_decode({heads} heads, shared schedule)", qn.shape,

@@ -272,6 +272,18 @@ def test_warp_specialised_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
+def test_few_rows_kernel_compiles_for_hopper():
+    """The few-rows Gluon kernel (16 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its column halves:
+    each warpgroup scores over its 256 c_kv columns and 32 of k_pe (16 + 2 wgmma of K = 16) and multiplies Pᵀ by its
+    256 columns (4 m64 blocks × 4 key steps); 8 TMA messages of 64 columns and 2 k_pe halves a stage; one SM's
+    shared memory, no spills."""
+    C = "lmkernels.ops.mla.compile_check"
+    for r in compile_in_fresh_process(f"[{C}.few(True, 'bf16'), {C}.few(False, 'fp16')]"):
+        assert r["wgmma"] == 2 * (16 + 2 + 16) and r["tma"] == 8 + 2 and r["mma"] == 0, r
+        assert r["smem_kb"] <= 227 and r["stack"] == 0, r
+
+
+@pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_fp8_kernel_compiles_for_hopper():
     """The FP8 Gluon kernel (16, 32 and 64 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its two
     warpgroups' shares. Up to 32 rows column halves: each scores over 256 c_kv columns and 32 of k_pe (16 + 2 wgmma
@@ -504,8 +516,9 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
                     plan = kernels.decode_plan((batch, n_new, heads), cache, ctx)
                     tiles = -(-ctx // plan.cfg["BLOCK_N"])
                     c, _ = schedule.split_schedule([ctx] * batch, plan.cfg["BLOCK_N"], plan.base, plan.min_tiles)
-                    assert c >= last[0], (gluon, heads, n_new, batch, last, ctx, c)
-                    last = (c, ctx)
+                    keys = c * plan.cfg["BLOCK_N"]  # (in keys: 16 rows switch between 32- and 64-key tiles)
+                    assert keys >= last[0], (gluon, heads, n_new, batch, last, ctx, keys)
+                    last = (keys, ctx)
                     if plan.ws:
                         assert plan.slots <= batch * -(-tiles // plan.min_tiles), (heads, n_new, batch, ctx, plan)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: False)
@@ -522,14 +535,15 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
 
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
-    """16 rows size their splits for two programs an SM on a GPU with an H200's DRAM GB/s per SM (36.4), where the
-    GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k / 32k); where keys set it the plan stays
-    at one program an SM, and small batches there cut their splits down to 32 keys instead of 128 (B=1 4k / 8k: 128
-    splits, B=2 4k: 66, B=4 4k: 33; not B=4 4k at two an SM). On an H100's 25.4, and for 16 × 2 and 128 heads,
-    the plans are the one-program-an-SM plans with 128-key small splits."""
+    """Where the Gluon kernels cannot run, 16 rows size their splits for two programs an SM on a GPU with an H200's
+    DRAM GB/s per SM (36.4), where the GPU, not the keys, sets the split count at two (B=32 8k, B=128 1k / 8k /
+    32k); where keys set it the plan stays at one program an SM, and small batches there cut their splits down to 32
+    keys instead of 128 (B=1 4k / 8k: 128 splits, B=2 4k: 66, B=4 4k: 33; not B=4 4k at two an SM). On an H100's
+    25.4, and for 16 × 2 and 128 heads (with the Gluon kernels too), the plans are the one-program-an-SM plans with
+    128-key small splits."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: False)
     cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     shapes = ((32, 8192), (128, 1024), (128, 8192), (128, 32768), (32, 1024), (1, 1024), (1, 32768), (1, 4096),
               (1, 8192), (2, 4096), (4, 4096))
@@ -543,8 +557,43 @@ def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
     assert [p.splits for p in fast] == [8, 2, 2, 2, 4, 32, 128, 128, 128, 66, 33]
     assert [p.wave for p in fast] == [264] * 4 + [132] * 7 and all(p.wave == 132 for p in slow)
     assert fast[4:7] == slow[4:7]
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     for heads, n_new in ((16, 2), (128, 1)):
         assert plans(36.4, heads, n_new) == plans(25.4, heads, n_new)
+
+
+def test_few_rows_kernel_where_dram_outruns_the_triton_kernel(monkeypatch):
+    """On a Hopper GPU with an H200's DRAM GB/s per SM, 16 rows of a 16-bit cache take the few-rows Gluon kernel's
+    plan (64-key tiles, one program an SM) where its chunks are ≥ FEW_MIN_TILES tiles: B=32 8k 4 splits, B=128 at
+    1k–32k 1 (32k and 8k with the extra wave), B=32 1k 4, B=1 32k 128, B=8 4k 16, B=64 1k 2; one sequence of 1k, 4k,
+    8k or 16k, B=2 / B=4 at 4k and B=3 8k keep the Triton kernel's finer splits; so do an H100 (25.4), the
+    interpreter and a caller's num_splits that leaves chunks shorter than FEW_MIN_TILES. 16 × 2 rows and FP8 caches
+    keep their own Gluon kernels."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
+    cache = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    few = {(32, 8192): 4, (128, 1024): 1, (128, 8192): 1, (128, 32768): 1, (32, 1024): 4, (1, 32768): 128,
+           (8, 4096): 16, (64, 1024): 2}
+    for (batch, ctx), splits in few.items():
+        plan = kernels.decode_plan((batch, 1, 16), cache, ctx)
+        assert plan.ws and plan.cfg["BLOCK_N"] == 64 and plan.m_blocks == 1 and plan.splits == splits, (batch, plan)
+        assert plan.wave == 132 and -(-(-(-ctx // 64)) // splits) >= kernels.FEW_MIN_TILES
+        assert plan == kernels.decode_plan((batch, 1, 16), cache, ctx, config=dict(WS=True))
+    assert kernels.decode_plan((128, 1, 16), cache, 8192).slots == 264  # the extra wave
+    for batch, ctx in ((1, 1024), (1, 4096), (1, 8192), (1, 16384), (2, 4096), (4, 4096), (3, 8192)):
+        assert not kernels.decode_plan((batch, 1, 16), cache, ctx).ws, (batch, ctx)
+    assert kernels.decode_plan((4, 1, 8), cache, 8192, num_splits=8).ws  # 8 rows: a block of 16
+    assert not kernels.decode_plan((4, 1, 16), cache, 8192, num_splits=64).ws  # 2-tile chunks
+    # 16 × 2 and FP8 caches: their own kernels (kernels_ws.py's 64-row blocks, kernels_fp8.py)
+    assert [bool(kernels.decode_config(rows, fp8).get("FAST_DRAM_FEW")) for rows, fp8 in (
+        (8, False), (16, False), (32, False), (16, True))] == [True, True, False, False]
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 25.4)
+    assert not kernels.decode_plan((32, 1, 16), cache, 8192).ws
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
+    monkeypatch.setattr(kernels, "interpreting", lambda: True)
+    assert not kernels.decode_plan((32, 1, 16), cache, 8192).ws
 
 
 def test_decode_two_programs_an_sm(monkeypatch):

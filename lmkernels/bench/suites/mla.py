@@ -330,7 +330,7 @@ def _schedule_note(ours):
 
 
 def decode_case(batch, ctx, heads, n_new):
-    from ...ops.mla import kernels, mla_decode, mla_decode_schedule
+    from ...ops.mla import kernels, kernels_few, mla_decode, mla_decode_schedule
 
     dt, dev = _dtype(), _dev()
     label = f"B={batch} ctx={ctx} H={heads} Q={n_new}"
@@ -410,7 +410,10 @@ def decode_case(batch, ctx, heads, n_new):
     else:
         programs = f"{base_slots} slots" + (f" (+ {slots - base_slots} for skewed batches)" if slots > base_slots
                                             else "")
-    if ws:
+    rows = q_nope.shape[1] * q_nope.shape[2]
+    if ws and rows <= kernels_few.MAX_ROWS and cache.dtype != torch.float8_e4m3fn:
+        tiles = f"{kernels_few.MAX_ROWS}x{cfg['BLOCK_N']} few-rows Gluon, transposed tiles"
+    elif ws:
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} warp-specialised Gluon, seesaw"
     else:
         tiles = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "

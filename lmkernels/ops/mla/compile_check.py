@@ -43,6 +43,20 @@ def ws(split=True, dtype="bf16"):
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
+def few(split=True, dtype="bf16"):
+    """The few-rows Gluon kernel (kernels_few.py), as mla_decode launches it on Hopper."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import kernels_few as F
+
+    types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
+                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
+                 qk_scale="fp32")
+    ce = dict(SPLIT=split, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=F.MAX_ROWS, BLOCK_N=F.BLOCK_N,
+              NSTAGE=F.NSTAGE, USE_PDL=True, LATE_TRIGGER=split)
+    return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
+
+
 def fp8(rows=16, split=True, dtype="bf16"):
     """The FP8 Gluon kernel (kernels_fp8.py) at `rows` (16, 32 or 64), as mla_decode launches it on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -94,6 +108,7 @@ def main(argv=None):
                                                                                        sched_ptr="*i32"), rce, 8, 1))
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
+    _show("mla decode rows 16, few rows (Gluon)", few())
     for rows in (16, 32, 64):
         _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

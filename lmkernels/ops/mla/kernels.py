@@ -30,8 +30,10 @@ programs wait on the SMs while the kernel before them drains; the Triton kernel 
 tiles are dequantised (value · scale of its group) to the query dtype in registers before the dots, the scales
 loaded once per key and 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
-kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks); this
-kernel remains the path everywhere else and the one the CPU tests run (the interpreter cannot run Gluon).
+kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks), and on a
+Hopper GPU whose DRAM outruns this kernel's 16-row programs (FAST_DRAM_GBPS_PER_SM) 16 rows the few-rows Gluon kernel
+of kernels_few.py where its chunks are long enough (FEW_MIN_TILES); this kernel remains the path everywhere else
+and the one the CPU tests run (the interpreter cannot run Gluon).
 """
 
 from typing import NamedTuple
@@ -663,6 +665,12 @@ MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with P
 # an H200's 36.4 (the 16-row kernel's one program an SM, ~22 GB/s, keeps up with what the first's DRAM delivers, 23,
 # not with the second's, 32)
 FAST_DRAM_GBPS_PER_SM = 28.0
+# 16 rows on such a GPU (Hopper, a 16-bit cache in 64-key pages): the few-rows Gluon kernel (kernels_few.py) where
+# its plan's chunks are at least this many 64-key tiles; shorter ones stay with the Triton kernel's finer splits. H200
+# A/B (NOTES, issue 6, session af), shared schedules, µs Triton → few rows: B=32 8k 87.5 → 82.3, B=128 1k 50.3 → 47.2,
+# B=128 8k 310.9 → 285.9, B=32 32k 309.9 → 286.4, B=32 1k 22.2 → 21.1, B=1 32k 22.5 → 21.9 (chunks of 4 tiles), B=8
+# 4k 24.9 → 25.4 (4), B=1 8k 13.1 → 14.4 (2 tiles: 64 chunks against the Triton kernel's 128 of 64 keys)
+FEW_MIN_TILES = 4
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -702,6 +710,8 @@ def decode_config(rows: int, fp8: bool = False):
     but 70% of an H200's, 32. H200 A/B (NOTES, issue 6, session ac, a call making its own schedule): 2 against 1 a SM
     B=32 8k 110.8 → 96.5 µs, B=128 1k 63.3 → 59.1, B=128 8k 398.4 → 312.4; where keys set the count (B=32 1k, B=1
     32k) 2 was 35% slower; on the H100 2 was 4–6% slower everywhere (session o).
+    FAST_DRAM_FEW: on such a GPU, Hopper with a 16-bit cache in 64-key pages, the few-rows Gluon kernel's plan
+    (kernels_few.py: 64-key tiles, one program an SM) where its chunks are ≥ FEW_MIN_TILES tiles (decode_plan).
     FAST_DRAM_SMALL_MIN_KEYS: on such a GPU, where a small batch leaves SMs idle and the plan stays at one program an
     SM, splits shrink to this many keys (decode_num_splits's small_keys) rather than SMALL_MIN_KEYS. H200 A/B (NOTES,
     issue 6, session ad; shared schedule, µs): B=1 2k 11.5 → 10.3 (32 → 64 splits), 4k 14.3 → 11.4 (32 → 128), 8k
@@ -721,7 +731,7 @@ def decode_config(rows: int, fp8: bool = False):
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, KEYS_MAJOR=True, HALVES=True, TMA=True,
                     PROGRAMS_PER_SM=2, WS=True)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=5, KEYS_MAJOR=False, HALVES=True, PROGRAMS_PER_SM=1,
-                FAST_DRAM_PROGRAMS_PER_SM=2, FAST_DRAM_SMALL_MIN_KEYS=32)
+                FAST_DRAM_PROGRAMS_PER_SM=2, FAST_DRAM_SMALL_MIN_KEYS=32, FAST_DRAM_FEW=True)
 
 
 class DecodePlan(NamedTuple):
@@ -762,6 +772,11 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     fp8 = cache.dtype == torch.float8_e4m3fn
     cfg = dict(config or decode_config(n_new * heads, fp8))
     ws = cfg.pop("WS", False) and not interpreting() and _ws_supported(cache)
+    if (cfg.pop("FAST_DRAM_FEW", False) and not ws and not interpreting() and _ws_supported(cache)
+            and dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM):  # the few-rows Gluon kernel's plan
+        few = decode_plan(shape, cache, max_context, num_splits, dict(WS=True))
+        if triton.cdiv(triton.cdiv(max_context, few.cfg["BLOCK_N"]), few.splits) >= FEW_MIN_TILES:
+            return few
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
         from . import kernels_fp8, kernels_ws
 
@@ -908,11 +923,13 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
 
         mla_decode_fp8(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
                        scale * LOG2E, slots, pdl, merge_pdl)
-    elif ws:
+    elif ws:  # the few-rows kernel up to its rows, the 64-row blocks above
+        from .kernels_few import MAX_ROWS, mla_decode_few
         from .kernels_ws import mla_decode_ws
 
-        mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E,
-                      slots, pdl, merge_pdl)
+        (mla_decode_few if n_new * heads <= MAX_ROWS else mla_decode_ws)(
+            q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E, slots, pdl,
+            merge_pdl)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](

@@ -1,0 +1,261 @@
+"""MLA decode over a 16-bit latent cache on Hopper for 16 rows (heads × new tokens; fewer padded), written in Gluon,
+every dot a wgmma with no padded rows beyond them.
+
+Why: the warp-specialised kernel of kernels_ws.py pads its rows to 64-row wgmma blocks, 4x the tensor work a tile at
+16 rows, and the 16-row Triton kernel (mma.sync at M = 16) keeps up with an H200's DRAM (32 GB/s an SM, against the
+H100's 23) only at two programs an SM, whose loops end up to 4 µs apart (benchmarks/NOTES.md, issue 6, sessions ac,
+ad). Here the tiles are transposed, as in kernels_fp8.py's few-rows path: Sᵀ = K · Qᵀ [64 keys, rows] (the 64 keys
+fill wgmma's M) and Oᵀ += Vᵀ · Pᵀ [columns, rows] (A transposed), reading each bf16 / fp16 stage as it lands (no
+conversion). One program (a chunk of one sequence, the schedule of kernels_ws.py; one an SM) has three partitions:
+- a loader warp streams 64-key tiles by TMA into 2 stages (c_kv as 8 pieces of 64 columns, k_pe as 2 of 32);
+- two consumer warpgroups, each owning half of the columns (256 of c_kv, 32 of k_pe): each scores over its own
+  columns, adds the other's partial Sᵀ through shared memory (one exchange a tile; both then run the same
+  softmax), zeroes its columns of the keys past the chunk's end in the last tile (the page may hold NaN there, and
+  P = 0 times NaN is not 0), and multiplies Pᵀ into its half of Oᵀ [256, rows]. A stage is released once both
+  have multiplied it.
+H200 against the Triton kernel (NOTES, issue 6, session af): 16 heads B=32 8k −6%, B=128 1k −6%, B=128 8k and B=32
+32k −8%, B=32 1k −5%; at 32 rows (16 × 2) 1–7% slower than the 64-row blocks, so those keep them. Outputs, LSE and
+partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon): CPU tests run
+kernels.py; `lmkernels check` compares this kernel with the reference on the GPU."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ..._utils import gdc_launch_dependents, gdc_wait
+from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
+from .kernels_ws import _add, _slot_chunk
+from .schedule import ROW
+
+BLOCK_N = 64  # keys per tile: the M of the score wgmma
+NSTAGE = 2  # 72 KB stages; with q and the exchange buffers 174 KB at 16 rows (205 KB at 32)
+MAX_ROWS = 16  # more rows take kernels_ws.py's 64-row blocks: at 32 rows (16 × 2) this kernel was 1–7% slower on
+# the H200 (NOTES, issue 6, session af)
+
+
+@gluon.jit
+def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
+            LATE_TRIGGER: gl.constexpr):
+    """Tile t into stage t % NSTAGE: the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces of 32 (one for
+    each consumer warpgroup), one barrier a stage."""
+    STAGES: gl.constexpr = kc.shape[0]
+    BLOCK: gl.constexpr = kc.shape[1]
+    KV_LORA: gl.constexpr = kc.shape[2]
+    PE_HALF: gl.constexpr = kp.shape[2]
+    PIECE: gl.constexpr = 64
+    BYTES: gl.constexpr = BLOCK * (KV_LORA + 2 * PE_HALF) * 2
+    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK, PIECE],
+                                      kc.layout)
+    desc_pe = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK, PE_HALF],
+                                         kp.layout)
+    for t in range(n_tiles):
+        s = t % STAGES
+        row0 = _tile_row(bt_row, start + t * BLOCK, end, page_size)
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # fresh barriers count as released
+        bar = ready.index(s)
+        mbarrier.expect(bar, BYTES)
+        for j in gl.static_range(KV_LORA // PIECE):
+            tma.async_copy_global_to_shared(desc, [row0, PIECE * j], bar, kc.index(s).slice(PIECE * j, PIECE, dim=1))
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc_pe, [row0, KV_LORA + PE_HALF * h], bar, kp.index(2 * s + h))
+    if LATE_TRIGGER:  # every load issued: the merge kernel after this one may launch
+        gdc_launch_dependents()
+
+
+@gluon.jit
+def _load_q_half(q_args, row0, q_smem, qp_smem, HALF_IDX: gl.constexpr):
+    """This warpgroup's half of q_lat and of q_pe for rows row0 … (row r = new token r // heads, head r % heads)
+    into shared memory, as they are (the cache's dtype)."""
+    qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+    ROWS: gl.constexpr = q_smem.shape[0]
+    HALF: gl.constexpr = q_smem.shape[1] // 2
+    PE_HALF: gl.constexpr = qp_smem.shape[1]
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+    row_ok = (r < n_new * heads)[:, None]
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    e = gl.arange(0, PE_HALF, layout=gl.SliceLayout(0, ld))
+    qn_row = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
+    qp_row = qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
+    q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store(gl.load(qn_row + HALF_IDX * HALF + d[None, :], mask=row_ok,
+                                                             other=0.0))
+    qp_smem.store(gl.load(qp_row + HALF_IDX * PE_HALF + e[None, :], mask=row_ok, other=0.0))
+    fence_async_shared()
+
+
+@gluon.jit
+def _zero_past_end(kc_half, valid):
+    """Keys (rows) from `valid` on of this warpgroup's [64, 256] columns of a stage set to 0, a 64-column piece at a
+    time (32 values a thread)."""
+    BLOCK: gl.constexpr = kc_half.shape[0]
+    PIECE: gl.constexpr = 64
+    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    keep = (gl.arange(0, BLOCK, layout=gl.SliceLayout(1, zl)) < valid)[:, None]
+    for j in gl.static_range(kc_half.shape[1] // PIECE):
+        piece = kc_half.slice(j * PIECE, PIECE, dim=1)
+        x = piece.load(zl)
+        piece.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+
+
+@gluon.jit
+def _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
+    """Warpgroup HALF_IDX: scores over its columns, the other's added through shared memory, the softmax, and its
+    half of Oᵀ (module docstring)."""
+    q_buf, qp_buf, kc_st, kp_st, pt_buf, sx = smem
+    ready, empty, x_full, x_free = bars
+    start, end, n_tiles, seq_len, row0 = span
+    n_new = q_args[3]
+    heads = q_args[4]
+    ROWS: gl.constexpr = q_buf.shape[1]
+    STAGES: gl.constexpr = kc_st.shape[0]
+    BLOCK: gl.constexpr = kc_st.shape[1]
+    KV_LORA: gl.constexpr = kc_st.shape[2]
+    HALF: gl.constexpr = KV_LORA // 2
+    PIECE: gl.constexpr = 64  # columns a score wgmma
+    dtype: gl.constexpr = kc_st.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
+    _load_q_half(q_args, row0, q_buf.index(0), qp_buf.index(HALF_IDX), HALF_IDX)
+    offs_n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+    pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
+    scale = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * qk_scale
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
+    l_k = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
+    acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)
+    for t in range(n_tiles):
+        s = t % STAGES
+        n0 = start + t * BLOCK
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        kc = kc_st.index(s)
+        # q indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the wgmma descriptors
+        # of the fixed q buffers once before the loop and spills them (as kernels_fp8.py)
+        z = n0 >> 31  # n0 ≥ 0
+        q_smem = q_buf.index(z)
+        # two independent accumulation chains (pieces alternate), half the dependent wgmma latency
+        st_a = s_zero
+        st_b = s_zero
+        for j in gl.static_range(HALF_IDX * HALF // PIECE, (HALF_IDX + 1) * HALF // PIECE, 2):
+            st_a = warpgroup_mma(kc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
+                (1, 0)), st_a, use_acc=j > HALF_IDX * HALF // PIECE, is_async=True)
+            st_b = warpgroup_mma(kc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
+                (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > HALF_IDX * HALF // PIECE,
+                is_async=True)
+        st_a = warpgroup_mma(kp_st.index(2 * s + HALF_IDX), qp_buf.index(2 * z + HALF_IDX).permute((1, 0)), st_a,
+                             is_async=True)
+        st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
+        st = st_a + st_b
+        # the scores over the other warpgroup's columns
+        ph = t & 1
+        mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
+        sx.index(HALF_IDX).store(st)
+        fence_async_shared()
+        mbarrier.arrive(x_full.index(HALF_IDX))
+        mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
+        st = st + sx.index(1 - HALF_IDX).load(s_layout)
+        mbarrier.arrive(x_free.index(1 - HALF_IDX))
+        p, m_i, l_k, alpha = _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, scale)
+        own = kc.slice(HALF_IDX * HALF, HALF, dim=1)
+        if n0 + BLOCK > end:  # the chunk's last tile, cut short
+            _zero_past_end(own, end - n0)
+        pt = pt_buf.index(2 * z + HALF_IDX)
+        pt.store(p.to(dtype))
+        fence_async_shared()
+        acc = acc * alpha[None, :]
+        acc = warpgroup_mma(own.permute((1, 0)), pt, acc, is_async=True)
+        # waited here: left in flight into the next tile, ptxas serialised every wgmma of the kernel (C7515)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
+    l_i = gl.reduce(l_k, 0, _add)
+    # each warpgroup stages its half of o in its own columns of stage 0 (every tile is consumed by now)
+    staging = kc_st.index(0)._reinterpret(dtype, [2, BLOCK, HALF], gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=[1, 0])).index(HALF_IDX)
+    c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
+    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+
+
+@gluon.jit
+def _consumer_default(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale):
+    _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, 0)
+
+
+@gluon.jit
+def _consumer_worker(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale):
+    _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, 1)
+
+
+@gluon.jit
+def _mla_decode_few_kernel(
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
+    n_new, heads, page_size, n_rows, qk_scale,
+    SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False,
+):
+    if USE_PDL:  # as kernels._mla_decode_kernel
+        gdc_wait()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
+    slot = gl.program_id(1)
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    if seq < 0:  # a spare slot
+        return
+    b64 = seq.to(gl.int64)
+    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    narrow: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(dtype, [1, ROWS, KV_LORA], wide)  # [1, …]: see _consumer's z
+    qp_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROPE // 2], narrow)  # q_pe's halves
+    kc = gl.allocate_shared_memory(dtype, [NSTAGE, BLOCK_N, KV_LORA], wide)
+    kp = gl.allocate_shared_memory(dtype, [2 * NSTAGE, BLOCK_N, ROPE // 2], narrow)
+    pt = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS], gl.NVMMASharedLayout(
+        swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))  # each warpgroup's Pᵀ
+    sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each warpgroup's partial Sᵀ
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NSTAGE):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups multiply their half
+    for i in gl.static_range(2):
+        mbarrier.init(x_full.index(i), count=1)
+        mbarrier.init(x_free.index(i), count=1)
+    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+    bt_row = bt_ptr + b64 * stride_bt
+    q_args = (qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt,
+              stride_qph)
+    smem = (q_smem, qp_smem, kc, kp, pt, sx)
+    bars = (ready, empty, x_full, x_free)
+    rows = n_new * heads
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
+    span = (start, end, n_tiles, seq_len, 0)
+    args = (q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale)
+    gl.warp_specialize([
+        (_consumer_default, args),
+        (_consumer_worker, args),
+        (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
+                   LATE_TRIGGER)),
+    ], [4, 1], [240, 24])
+
+
+MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the consumers get 240, the loader 24
+
+
+def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
+                   pdl=False, merge_pdl=False):
+    """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16); as kernels_ws.mla_decode_ws."""
+    batch, n_new, heads, _ = q_nope.shape
+    _mla_decode_few_kernel[(1, slots)](
+        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
+        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=16,
+        BLOCK_N=BLOCK_N, NSTAGE=NSTAGE, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}),
+    )
