@@ -28,6 +28,13 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
 
+def _bf16_cache_types(dtype):
+    """The argument types of the Gluon kernels over a 16-bit cache (kernels_ws.py, kernels_few.py)."""
+    return dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
+                o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
+                qk_scale="fp32")
+
+
 def ws(split=True, dtype="bf16"):
     """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, the merge kernel's launch
     triggered late, as mla_decode gives them on Hopper."""
@@ -35,9 +42,7 @@ def ws(split=True, dtype="bf16"):
 
     from . import kernels_ws as W
 
-    types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
-                 qk_scale="fp32")
+    types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
               CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
@@ -49,9 +54,7 @@ def few(split=True, dtype="bf16"):
 
     from . import kernels_few as F
 
-    types = dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
-                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
-                 qk_scale="fp32")
+    types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=F.MAX_ROWS, BLOCK_N=F.BLOCK_N,
               NSTAGE=F.NSTAGE, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
