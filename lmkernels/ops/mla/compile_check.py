@@ -48,15 +48,16 @@ def ws(split=True, dtype="bf16"):
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
-def few(split=True, dtype="bf16"):
-    """The few-rows Gluon kernel (kernels_few.py), as mla_decode launches it on Hopper."""
+def few(split=True, dtype="bf16", ranges=False):
+    """The few-rows Gluon kernel (kernels_few.py), as mla_decode launches it on Hopper; ranges: a launch of
+    programs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_few as F
 
-    types = _bf16_cache_types(dtype)
-    ce = dict(SPLIT=split, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=F.MAX_ROWS, BLOCK_N=F.BLOCK_N,
-              NSTAGE=F.NSTAGE, USE_PDL=True, LATE_TRIGGER=split)
+    types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
+    ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=F.MAX_ROWS, BLOCK_N=F.BLOCK_N,
+              NSTAGE=F.NSTAGE, RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
     return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
@@ -112,6 +113,7 @@ def main(argv=None):
     for split in (False, True):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     _show("mla decode rows 16, few rows (Gluon)", few())
+    _show("mla decode rows 16, few rows (Gluon), a launch of programs", few(ranges=True))
     for rows in (16, 32, 64):
         _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

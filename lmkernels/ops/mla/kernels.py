@@ -777,9 +777,11 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         few = decode_plan(shape, cache, max_context, num_splits, dict(WS=True))
         if triton.cdiv(triton.cdiv(max_context, few.cfg["BLOCK_N"]), few.splits) >= FEW_MIN_TILES:
             return few
+    ranges = not ws  # a launch of programs taking chunks or ranges (below)
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
-        from . import kernels_fp8, kernels_ws
+        from . import kernels_few, kernels_fp8, kernels_ws
 
+        ranges = not fp8 and n_new * heads <= kernels_few.MAX_ROWS  # the few-rows kernel takes them too
         cfg.update(BLOCK_M=kernels_fp8.block_rows(n_new * heads) if fp8 else kernels_ws.BLOCK_M,
                    BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
@@ -827,7 +829,7 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         # (128 heads B=1 1k–8k −3 to −5%, 64 heads B=2 4k −4%, 16 × 2 B=1 8k −2%, H100 session w); one a sequence at
         # least (max_context 0: each writes its empty output)
         slots = max(batch, min(slots, batch * triton.cdiv(tiles, chunk if batch == 1 else min_tiles)))
-    if not ws and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
+    if ranges and batch + slots - 1 <= RANGE_BLOCK:  # the heuristic's slots as programs, taking chunks or ranges
         return DecodePlan(cfg, ws, m_blocks, splits, batch + slots - 1, slots, wave, min_tiles, slots)
     # (one split a sequence because the batch fills the GPU, not because the context is short: there the extra wave
     # could never pay, and its programs would only start and return; nor where no sequence can be longer than
@@ -927,9 +929,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         from .kernels_few import MAX_ROWS, mla_decode_few
         from .kernels_ws import mla_decode_ws
 
-        (mla_decode_few if n_new * heads <= MAX_ROWS else mla_decode_ws)(
-            q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E, slots, pdl,
-            merge_pdl)
+        args = (q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E, slots, pdl,
+                merge_pdl)
+        if n_new * heads <= MAX_ROWS:
+            mla_decode_few(*args, programs=programs)
+        else:
+            mla_decode_ws(*args)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](

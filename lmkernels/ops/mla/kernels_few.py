@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
 from .kernels_ws import _add, _slot_chunk
-from .schedule import ROW
+from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
 NSTAGE = 2  # 72 KB stages; with q and the exchange buffers 174 KB at 16 rows (205 KB at 32)
@@ -35,10 +35,32 @@ MAX_ROWS = 16  # more rows take kernels_ws.py's 64-row blocks: at 32 rows (16 ×
 
 
 @gluon.jit
-def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr):
-    """Tile t into stage t % NSTAGE: the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces of 32 (one for
-    each consumer warpgroup), one barrier a stage."""
+def _piece(pieces, k, SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    """(slot, sequence, its length, first key, end key, direct) of the program's piece k. RANGES: slot first + k,
+    its row of the schedule (the first's copied into the program's row: one dependent load less before the first
+    tile); else the program's slot (kernels_ws._slot_chunk)."""
+    sched_ptr, len_ptr, prow, first, count = pieces
+    slot = first + k
+    if RANGES:
+        row = sched_ptr + slot * SCHEDULE_ROW
+        if k == 0:
+            row = prow + 2
+        return slot, gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4) == 1
+    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    return slot, seq, seq_len, start, end, direct
+
+
+@gluon.jit
+def _tiles(start, end, BLOCK: gl.constexpr):
+    return (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+
+
+@gluon.jit
+def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr,
+            SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr):
+    """The program's pieces one after another, its t-th tile into stage t % NSTAGE (so the next piece's first tiles
+    load while the consumers finish the last one's): the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces
+    of 32 (one for each consumer warpgroup), one barrier a stage."""
     STAGES: gl.constexpr = kc.shape[0]
     BLOCK: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
@@ -49,25 +71,31 @@ def _loader(c_ptr, bt_row, kc, kp, ready, empty, start, end, n_tiles, n_rows, pa
                                       kc.layout)
     desc_pe = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK, PE_HALF],
                                          kp.layout)
-    for t in range(n_tiles):
-        s = t % STAGES
-        row0 = _tile_row(bt_row, start + t * BLOCK, end, page_size)
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # fresh barriers count as released
-        bar = ready.index(s)
-        mbarrier.expect(bar, BYTES)
-        for j in gl.static_range(KV_LORA // PIECE):
-            tma.async_copy_global_to_shared(desc, [row0, PIECE * j], bar, kc.index(s).slice(PIECE * j, PIECE, dim=1))
-        for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(desc_pe, [row0, KV_LORA + PE_HALF * h], bar, kp.index(2 * s + h))
+    it = 0  # tiles so far, over the pieces
+    for k in range(pieces[4]):
+        slot, seq, seq_len, start, end, direct = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        for t in range(_tiles(start, end, BLOCK)):
+            s = it % STAGES
+            row0 = _tile_row(bt_row, start + t * BLOCK, end, page_size)
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers count as released
+            bar = ready.index(s)
+            mbarrier.expect(bar, BYTES)
+            for j in gl.static_range(KV_LORA // PIECE):
+                tma.async_copy_global_to_shared(desc, [row0, PIECE * j], bar,
+                                                kc.index(s).slice(PIECE * j, PIECE, dim=1))
+            for h in gl.static_range(2):
+                tma.async_copy_global_to_shared(desc_pe, [row0, KV_LORA + PE_HALF * h], bar, kp.index(2 * s + h))
+            it += 1
     if LATE_TRIGGER:  # every load issued: the merge kernel after this one may launch
         gdc_launch_dependents()
 
 
 @gluon.jit
-def _load_q_half(q_args, row0, q_smem, qp_smem, HALF_IDX: gl.constexpr):
-    """This warpgroup's half of q_lat and of q_pe for rows row0 … (row r = new token r // heads, head r % heads)
-    into shared memory, as they are (the cache's dtype)."""
-    qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
+def _load_q_half(q_args, b64, row0, q_smem, qp_smem, HALF_IDX: gl.constexpr):
+    """This warpgroup's half of q_lat and of q_pe for sequence b64's rows row0 … (row r = new token r // heads, head
+    r % heads) into shared memory, as they are (the cache's dtype)."""
+    qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
     ROWS: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     PE_HALF: gl.constexpr = qp_smem.shape[1]
@@ -100,36 +128,61 @@ def _zero_past_end(kc_half, valid):
 
 
 @gluon.jit
-def _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
-    """Warpgroup HALF_IDX: scores over its columns, the other's added through shared memory, the softmax, and its
-    half of Oᵀ (module docstring)."""
-    q_buf, qp_buf, kc_st, kp_st, pt_buf, sx = smem
+def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
+              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    """Warpgroup HALF_IDX, for each of the program's pieces: scores over its columns, the other's added through shared
+    memory, the softmax, and its half of Oᵀ (module docstring)."""
+    q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, staging = smem
     ready, empty, x_full, x_free = bars
-    start, end, n_tiles, seq_len, row0 = span
-    n_new = q_args[3]
-    heads = q_args[4]
+    n_new = q_args[2]
+    heads = q_args[3]
     ROWS: gl.constexpr = q_buf.shape[1]
+    BLOCK: gl.constexpr = kc_st.shape[1]
+    KV_LORA: gl.constexpr = kc_st.shape[2]
+    HALF: gl.constexpr = KV_LORA // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
+    offs_n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+    scale = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * qk_scale
+    s_zero = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)
+    rows = n_new * heads
+    it = 0  # tiles so far, over the pieces (the loader's count)
+    for k in range(pieces[4]):
+        slot, seq, seq_len, start, end, direct = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        b64 = seq.to(gl.int64)
+        # its own half of q: the last piece's wgmmas that read it are waited for
+        _load_q_half(q_args, b64, 0, q_buf.index(0), qp_buf.index(HALF_IDX), HALF_IDX)
+        pos = seq_len - n_new + gl.arange(0, ROWS, layout=col_layout) // heads  # causal among the new tokens
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
+        l_k = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
+        acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
+        it, m_i, l_k, acc = _piece_tiles(q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, ready, empty, x_full, x_free, it,
+                                         _tiles(start, end, BLOCK), start, end, pos, offs_n, scale, s_zero, m_i, l_k,
+                                         acc, HALF_IDX)
+        l_i = gl.reduce(l_k, 0, _add)
+        c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
+        o_ptr, lse_ptr, po_ptr, pl_ptr = out_args
+        _epilogue(acc, m_i, l_i, c_acc, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct),
+                  0, rows,
+                  staging.index(HALF_IDX), HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+
+
+@gluon.jit
+def _piece_tiles(q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, ready, empty, x_full, x_free, it, n_tiles, start, end, pos,
+                 offs_n, scale, s_zero, m_i, l_k, acc, HALF_IDX: gl.constexpr):
+    """A piece's tiles (its keys [start, end)), the program's it-th tile first: (it after them, m_i, l_k, acc)."""
     STAGES: gl.constexpr = kc_st.shape[0]
     BLOCK: gl.constexpr = kc_st.shape[1]
     KV_LORA: gl.constexpr = kc_st.shape[2]
     HALF: gl.constexpr = KV_LORA // 2
     PIECE: gl.constexpr = 64  # columns a score wgmma
     dtype: gl.constexpr = kc_st.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
-    _load_q_half(q_args, row0, q_buf.index(0), qp_buf.index(HALF_IDX), HALF_IDX)
-    offs_n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
-    pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
-    scale = gl.full([ROWS], 1.0, gl.float32, layout=col_layout) * qk_scale
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
-    l_k = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
-    acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
-    s_zero = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)
+    s_layout: gl.constexpr = s_zero.type.layout
     for t in range(n_tiles):
-        s = t % STAGES
+        s = it % STAGES
         n0 = start + t * BLOCK
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         kc = kc_st.index(s)
         # q indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the wgmma descriptors
         # of the fixed q buffers once before the loop and spills them (as kernels_fp8.py)
@@ -149,7 +202,7 @@ def _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, H
         st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
         st = st_a + st_b
         # the scores over the other warpgroup's columns
-        ph = t & 1
+        ph = it & 1
         mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
         sx.index(HALF_IDX).store(st)
         fence_async_shared()
@@ -169,53 +222,61 @@ def _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, H
         # waited here: left in flight into the next tile, ptxas serialised every wgmma of the kernel (C7515)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s))
-    l_i = gl.reduce(l_k, 0, _add)
-    # each warpgroup stages its half of o in its own columns of stage 0 (every tile is consumed by now)
-    staging = kc_st.index(0)._reinterpret(dtype, [2, BLOCK, HALF], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[1, 0])).index(HALF_IDX)
-    c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
-    _epilogue(acc, m_i, l_i, c_acc, out_args, row0, n_new * heads, staging, HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+        it += 1
+    return it, m_i, l_k, acc
 
 
 @gluon.jit
-def _consumer_default(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale):
-    _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, 0)
+def _consumer_default(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
+                      SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_worker(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale):
-    _consumer(q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale, 1)
+def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
+                     SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
 def _mla_decode_few_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
-    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, RANGES: gl.constexpr = False,
+    PROGRAM_ROW: gl.constexpr = 8, USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
 ):
+    """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
+    the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
+    after another in one pipeline."""
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    slot = gl.program_id(1)
-    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
-    if seq < 0:  # a spare slot
+    p = gl.program_id(1)
+    prow = prog_ptr + p * PROGRAM_ROW
+    if RANGES:  # the program's row: its first slot, its slot count, that slot's row
+        first = gl.load(prow)
+        count = gl.load(prow + 1)
+    else:
+        first = p
+        count = (_slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)[0] >= 0).to(gl.int32)  # −1: a spare slot
+    if count == 0:
         return
-    b64 = seq.to(gl.int64)
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     narrow: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [1, ROWS, KV_LORA], wide)  # [1, …]: see _consumer's z
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    q_smem = gl.allocate_shared_memory(dtype, [1, ROWS, KV_LORA], wide)  # [1, …]: see _piece_tiles's z
     qp_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROPE // 2], narrow)  # q_pe's halves
     kc = gl.allocate_shared_memory(dtype, [NSTAGE, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [2 * NSTAGE, BLOCK_N, ROPE // 2], narrow)
     pt = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS], gl.NVMMASharedLayout(
         swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))  # each warpgroup's Pᵀ
-    sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each warpgroup's partial Sᵀ
+    sx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, ROWS], flat)  # each warpgroup's partial Sᵀ
+    # each warpgroup's half of o on its way out (not a stage: the loader fills them with the next piece's tiles)
+    staging = gl.allocate_shared_memory(dtype, [2, ROWS, KV_LORA // 2], flat)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -226,21 +287,16 @@ def _mla_decode_few_kernel(
     for i in gl.static_range(2):
         mbarrier.init(x_full.index(i), count=1)
         mbarrier.init(x_free.index(i), count=1)
-    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
-    bt_row = bt_ptr + b64 * stride_bt
-    q_args = (qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt,
-              stride_qph)
-    smem = (q_smem, qp_smem, kc, kp, pt, sx)
+    q_args = (qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
+    pieces = (sched_ptr, len_ptr, prow, first, count)
+    smem = (q_smem, qp_smem, kc, kp, pt, sx, staging)
     bars = (ready, empty, x_full, x_free)
-    rows = n_new * heads
-    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct)
-    span = (start, end, n_tiles, seq_len, 0)
-    args = (q_args, smem, bars, out_args, span, bt_row, page_size, qk_scale)
+    args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)
     gl.warp_specialize([
         (_consumer_default, args),
         (_consumer_worker, args),
-        (_loader, (c_ptr, bt_row, kc, kp, ready, empty, start, end, n_tiles, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER)),
+        (_loader, (pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr, SPLIT,
+                   RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
 
@@ -248,14 +304,17 @@ MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the cons
 
 
 def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                   pdl=False, merge_pdl=False):
-    """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16); as kernels_ws.mla_decode_ws."""
+                   pdl=False, merge_pdl=False, programs=0):
+    """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
+    (1, programs), a launch of programs (schedule.py)."""
     batch, n_new, heads, _ = q_nope.shape
-    _mla_decode_few_kernel[(1, slots)](
+    _mla_decode_few_kernel[(1, programs or slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
-        SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=16,
-        BLOCK_N=BLOCK_N, NSTAGE=NSTAGE, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=16, BLOCK_N=BLOCK_N,
+        NSTAGE=NSTAGE, RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
+        maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
