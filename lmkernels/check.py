@@ -212,6 +212,19 @@ def _kda_cases(big, dev, dt):
         yield f"kda_decode(state pool) {part}", q.shape, lambda i=i: ours()[i], lambda i=i: want()[i]
 
 
+def _ragged_latent(lens, page, dev, dt):
+    """A latent cache of random rows for sequences of these lengths on shuffled pages, NaN past each end: (cache,
+    block tables, seq_lens)."""
+    width = max(-(-n // page) for n in lens)
+    tables = torch.randperm(len(lens) * width, device=dev).to(torch.int32).view(len(lens), width)
+    cache = torch.full((len(lens) * width, page, 576), float("nan"), device=dev, dtype=dt)
+    for b, n in enumerate(lens):
+        rows = cache[tables[b].long()].view(-1, 576)
+        rows[:n] = torch.randn(n, 576, device=dev, dtype=dt)
+        cache[tables[b].long()] = rows.view(width, page, 576)
+    return cache, tables, torch.tensor(lens, device=dev, dtype=torch.int32)
+
+
 def _mla_cases(big, dev, dt):
     """The fused latent-cache write (RMSNorm, interleaved RoPE, store at shuffled slots), the absorbed decode
     over shuffled pages of ragged lengths (1 and 2 new tokens; 16 and, on the GPU, 128 heads: the warp-specialised
@@ -252,6 +265,14 @@ def _mla_cases(big, dev, dt):
                        lambda qf=qf, qpf=qpf, s=splits: mla.mla_decode(qf, qpf, cache, tables, seq_lens, scale=0.07,
                                                                        num_splits=s)[0],
                        lambda qf=qf, qpf=qpf: ref.mla_decode(qf, qpf, cache, tables, seq_lens, 0.07)[0])
+        if n_new == 1 and heads == 16 and big:  # a skewed batch: the few-rows kernel's ranges across sequence ends
+            lens = [8192] + [300 + 7 * i for i in range(60)]
+            sk_cache, sk_tables, sk_lens = _ragged_latent(lens, page, dev, dt)
+            qs, qps = torch.randn(len(lens), 1, heads, 512, device=dev, dtype=dt), torch.randn(
+                len(lens), 1, heads, 64, device=dev, dtype=dt)
+            yield (f"mla_decode({heads} heads, 1 x 8k + 60 short)", qs.shape,
+                   lambda: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07)[0],
+                   lambda: ref.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, 0.07)[0])
         if n_new == 1:  # the step's schedule made once, as a model's layers share it
             step = mla.mla_decode_schedule(cache, tables, seq_lens, num_heads=heads)
             yield (f"mla_decode({heads} heads, shared schedule)", qn.shape,

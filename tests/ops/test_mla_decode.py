@@ -273,12 +273,12 @@ def test_warp_specialised_kernel_compiles_for_hopper():
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_few_rows_kernel_compiles_for_hopper():
-    """The few-rows Gluon kernel (16 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its column halves:
-    each warpgroup scores over its 256 c_kv columns and 32 of k_pe (16 + 2 wgmma of K = 16) and multiplies Pᵀ by its
-    256 columns (4 m64 blocks × 4 key steps); 8 TMA messages of 64 columns and 2 k_pe halves a stage; one SM's
-    shared memory, no spills."""
+    """The few-rows Gluon kernel (16 rows; GPU-checked by `lmkernels check`) builds for sm_90, one chunk a program
+    and over a launch of programs, with its column halves: each warpgroup scores over its 256 c_kv columns and 32 of
+    k_pe (16 + 2 wgmma of K = 16) and multiplies Pᵀ by its 256 columns (4 m64 blocks × 4 key steps); 8 TMA messages
+    of 64 columns and 2 k_pe halves a stage; one SM's shared memory, no spills."""
     C = "lmkernels.ops.mla.compile_check"
-    for r in compile_in_fresh_process(f"[{C}.few(True, 'bf16'), {C}.few(False, 'fp16')]"):
+    for r in compile_in_fresh_process(f"[{C}.few(True, 'bf16'), {C}.few(False, 'fp16'), {C}.few(ranges=True)]"):
         assert r["wgmma"] == 2 * (16 + 2 + 16) and r["tma"] == 8 + 2 and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] == 0, r
 
@@ -564,8 +564,10 @@ def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
 
 def test_few_rows_kernel_where_dram_outruns_the_triton_kernel(monkeypatch):
     """On a Hopper GPU with an H200's DRAM GB/s per SM, 16 rows of a 16-bit cache take the few-rows Gluon kernel's
-    plan (64-key tiles, one program an SM) where its chunks are ≥ FEW_MIN_TILES tiles: B=32 8k 4 splits, B=128 at
-    1k–32k 1 (32k and 8k with the extra wave), B=32 1k 4, B=1 32k 128, B=8 4k 16, B=64 1k 2; one sequence of 1k, 4k,
+    plan (64-key tiles, one program an SM, a launch of programs taking chunks or ranges) where its chunks are
+    ≥ FEW_MIN_TILES tiles: B=32 8k 4 splits, B=128 at 1k–32k 1, B=32 1k 4, B=1 32k 128, B=8 4k 16, B=64 1k 2 (a
+    batch whose programs and sequences outnumber the schedule's registers keeps one chunk a program, with the extra
+    wave); one sequence of 1k, 4k,
     8k or 16k, B=2 / B=4 at 4k and B=3 8k keep the Triton kernel's finer splits; so do an H100 (25.4), the
     interpreter and a caller's num_splits that leaves chunks shorter than FEW_MIN_TILES. 16 × 2 rows and FP8 caches
     keep their own Gluon kernels."""
@@ -580,8 +582,11 @@ def test_few_rows_kernel_where_dram_outruns_the_triton_kernel(monkeypatch):
         plan = kernels.decode_plan((batch, 1, 16), cache, ctx)
         assert plan.ws and plan.cfg["BLOCK_N"] == 64 and plan.m_blocks == 1 and plan.splits == splits, (batch, plan)
         assert plan.wave == 132 and -(-(-(-ctx // 64)) // splits) >= kernels.FEW_MIN_TILES
+        # one wave of programs, at least the heuristic's chunks
+        assert batch * splits <= plan.programs <= 132 and plan.slots == batch + plan.programs - 1, (batch, plan)
         assert plan == kernels.decode_plan((batch, 1, 16), cache, ctx, config=dict(WS=True))
-    assert kernels.decode_plan((128, 1, 16), cache, 8192).slots == 264  # the extra wave
+    plan = kernels.decode_plan((1000, 1, 16), cache, 8192)
+    assert plan.ws and plan.programs == 0 and plan.slots == 1056 + 132  # 8 waves and the extra one
     for batch, ctx in ((1, 1024), (1, 4096), (1, 8192), (1, 16384), (2, 4096), (4, 4096), (3, 8192)):
         assert not kernels.decode_plan((batch, 1, 16), cache, ctx).ws, (batch, ctx)
     assert kernels.decode_plan((4, 1, 8), cache, 8192, num_splits=8).ws  # 8 rows: a block of 16

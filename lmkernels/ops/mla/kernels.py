@@ -18,8 +18,9 @@ Online softmax in base 2, fp32 accumulators. Splits: the grid is m-blocks × pro
 graphs capture it; no host sync), and each program reads its keys from its row of the step's schedule (schedule.py,
 computed on the device from the lengths, once per step): chunks of one size for the whole batch, the smallest that
 fits (in a uniform batch decode_num_splits's static split; a long sequence in a skewed batch takes the spare
-programs), or, for this kernel where that leaves some programs far more work than others, contiguous ranges of the
-batch's key tiles cut at sequence ends; a program takes its chunks or pieces (both "slots") one after another. A
+programs), or, for this kernel and the few-rows Gluon kernel, where that leaves some programs far more work than
+others, contiguous ranges of the batch's key tiles cut at sequence ends; a program takes its chunks or pieces (both
+"slots") one after another. A
 sequence of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in
 their slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤
 FUSED_MAX_SPLITS splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence,
@@ -754,8 +755,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     grid is m-blocks × programs, and the schedule (schedule.py) balances the keys over them from the lengths on the
     device. The Triton kernel launches the heuristic's slots (below) as programs, which take chunks or ranges of the
     batch's key tiles across sequence ends, whichever the schedule finds better (schedule.py; slots: the pieces they
-    can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program). The Gluon kernel takes chunks, one a
-    program: splits: decode_num_splits's count per sequence (or the caller's);
+    can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program), and so does the few-rows Gluon kernel
+    (16 rows of a 16-bit cache), one program an SM. The other Gluon kernels take chunks, one a program: splits:
+    decode_num_splits's count per sequence (or the caller's);
     slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
     skewed batch; where keys set the split count, or for one sequence, no schedule uses them, so the Gluon launch
     has exactly the static split's chunks). At one split a sequence of a batch that
@@ -777,7 +779,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
         few = decode_plan(shape, cache, max_context, num_splits, dict(WS=True))
         if triton.cdiv(triton.cdiv(max_context, few.cfg["BLOCK_N"]), few.splits) >= FEW_MIN_TILES:
             return few
-    ranges = not ws  # a launch of programs taking chunks or ranges (below)
+    ranges = not ws  # a launch of programs taking chunks or ranges (below; skewed 16-head batches on the H200 few-rows
+    # kernel: 1 × 8k + 127 × 512 −33%, 8 × 4k + 120 × 256 −20% against chunks with an extra wave, NOTES, issue 6, ag)
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
         from . import kernels_few, kernels_fp8, kernels_ws
 

@@ -6,13 +6,17 @@ Why: the warp-specialised kernel of kernels_ws.py pads its rows to 64-row wgmma 
 H100's 23) only at two programs an SM, whose loops end up to 4 µs apart (benchmarks/NOTES.md, issue 6, sessions ac,
 ad). Here the tiles are transposed, as in kernels_fp8.py's few-rows path: Sᵀ = K · Qᵀ [64 keys, rows] (the 64 keys
 fill wgmma's M) and Oᵀ += Vᵀ · Pᵀ [columns, rows] (A transposed), reading each bf16 / fp16 stage as it lands (no
-conversion). One program (a chunk of one sequence, the schedule of kernels_ws.py; one an SM) has three partitions:
-- a loader warp streams 64-key tiles by TMA into 2 stages (c_kv as 8 pieces of 64 columns, k_pe as 2 of 32);
+conversion). A program (one an SM) takes its slots of the schedule one after another: a launch of programs
+(schedule.py, as kernels.py's Triton kernel: chunks, or a range of the batch's key tiles across sequence ends, so a
+skewed batch's long sequences spread over every SM), or one chunk (a batch too large for that schedule's registers:
+kernels_ws.py's schedule, with its extra wave). It has three partitions:
+- a loader warp streams 64-key tiles by TMA into 2 stages (c_kv as 8 pieces of 64 columns, k_pe as 2 of 32), on
+  into the next piece's while the consumers finish one;
 - two consumer warpgroups, each owning half of the columns (256 of c_kv, 32 of k_pe): each scores over its own
   columns, adds the other's partial Sᵀ through shared memory (one exchange a tile; both then run the same
   softmax), zeroes its columns of the keys past the chunk's end in the last tile (the page may hold NaN there, and
   P = 0 times NaN is not 0), and multiplies Pᵀ into its half of Oᵀ [256, rows]. A stage is released once both
-  have multiplied it.
+  have multiplied it. Each piece loads its sequence's q again and stages its o through a buffer of its own.
 H200 against the Triton kernel (NOTES, issue 6, session af): 16 heads B=32 8k −6%, B=128 1k −6%, B=128 8k and B=32
 32k −8%, B=32 1k −5%; at 32 rows (16 × 2) 1–7% slower than the 64-row blocks, so those keep them. Outputs, LSE and
 partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon): CPU tests run
@@ -29,7 +33,7 @@ from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
-NSTAGE = 2  # 72 KB stages; with q and the exchange buffers 174 KB at 16 rows (205 KB at 32)
+NSTAGE = 2  # 72 KB stages; with q, the exchange and o's staging buffers 190 KB at 16 rows
 MAX_ROWS = 16  # more rows take kernels_ws.py's 64-row blocks: at 32 rows (16 × 2) this kernel was 1–7% slower on
 # the H200 (NOTES, issue 6, session af)
 

@@ -17,7 +17,8 @@ c that fits all the slots, and takes it only where the busiest slot's work drops
 one paying SWITCH. So a long sequence among many short ones no longer runs in a few long chunks on the spare slots
 of the base waves; a uniform batch of short sequences keeps the base.
 
-A launch of programs (the Triton kernel's, kernels.decode_plan: the base slots as programs): each program takes
+A launch of programs (the Triton kernel's and the few-rows Gluon kernel's, kernels.decode_plan: the base slots as
+programs): each program takes
 either a chunk (c over the programs as slots, as above: at most one a program) or one contiguous range of L key tiles of the batch's tiles laid end to end, across sequence
 ends (FlashMLA's and FlashInfer's balance): L = ⌈Σ tilesᵢ / programs⌉, at least min_tiles. A sequence's part inside
 one program is a piece (a "chunk" below: pieces take the chunks' rows, partial slots and merges); a program takes
@@ -59,7 +60,9 @@ RANGE_BLOCK_MIN = 256  # … in blocks of the slots' power of 2, at least this
 # partial and a merge, ~RANGE_CUT_TILES; programs that share an SM (more programs than a wave) each take that many
 # times longer a tile; and no launch beats DRAM, which DRAM_PROGRAMS programs at one program's rate saturate (26 GB/s
 # each against ~3 TB/s), so the busiest program's work counts only above Σ tiles / DRAM_PROGRAMS. Fitted on 38
-# batches (r-8, r-10): the rule takes the faster layout on all but one (3.7% slower there)
+# batches (r-8, r-10): the rule takes the faster layout on all but one (3.7% slower there). The few-rows Gluon kernel
+# (64-key tiles, one program an SM, H200) keeps it: on 18 batches, 10 uniform, the rule's pick was within 0.6% of the
+# faster of ranges and chunks (NOTES, issue 6, session ag)
 RANGE_CUT_TILES = 10
 DRAM_PROGRAMS = 120
 
