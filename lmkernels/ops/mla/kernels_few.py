@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
+from .kernels_fp8 import _epilogue, _scores_exchanged, _softmax_t, _tile_row
 from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
@@ -191,29 +191,8 @@ def _piece_tiles(q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, ready, empty, x_full, 
         # q indexed by z = 0, which the compiler cannot prove constant: otherwise it computes the wgmma descriptors
         # of the fixed q buffers once before the loop and spills them (as kernels_fp8.py)
         z = n0 >> 31  # n0 ≥ 0
-        q_smem = q_buf.index(z)
-        # two independent accumulation chains (pieces alternate), half the dependent wgmma latency
-        st_a = s_zero
-        st_b = s_zero
-        for j in gl.static_range(HALF_IDX * HALF // PIECE, (HALF_IDX + 1) * HALF // PIECE, 2):
-            st_a = warpgroup_mma(kc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
-                (1, 0)), st_a, use_acc=j > HALF_IDX * HALF // PIECE, is_async=True)
-            st_b = warpgroup_mma(kc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
-                (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > HALF_IDX * HALF // PIECE,
-                is_async=True)
-        st_a = warpgroup_mma(kp_st.index(2 * s + HALF_IDX), qp_buf.index(2 * z + HALF_IDX).permute((1, 0)), st_a,
-                             is_async=True)
-        st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
-        st = st_a + st_b
-        # the scores over the other warpgroup's columns
-        ph = it & 1
-        mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
-        sx.index(HALF_IDX).store(st)
-        fence_async_shared()
-        mbarrier.arrive(x_full.index(HALF_IDX))
-        mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
-        st = st + sx.index(1 - HALF_IDX).load(s_layout)
-        mbarrier.arrive(x_free.index(1 - HALF_IDX))
+        st = _scores_exchanged(kc, kp_st.index(2 * s + HALF_IDX), q_buf.index(z), qp_buf.index(2 * z + HALF_IDX), sx,
+                               x_full, x_free, it & 1, s_zero, HALF_IDX)
         p, m_i, l_k, alpha = _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, scale)
         own = kc.slice(HALF_IDX * HALF, HALF, dim=1)
         if n0 + BLOCK > end:  # the chunk's last tile, cut short

@@ -193,6 +193,35 @@ def _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, scale):
 
 
 @gluon.jit
+def _scores_exchanged(kc, kp, q_smem, qp, sx, x_full, x_free, ph, s_zero, HALF_IDX: gl.constexpr):
+    """Sᵀ [keys, rows] of a tile over all 576 columns (the column-halves consumers): warpgroup HALF_IDX's over its
+    256 c_kv columns of kc [keys, 512] and its k_pe half kp against q_smem [rows, 512] and qp, in two independent
+    accumulation chains (pieces alternate: half the dependent wgmma latency), plus the other warpgroup's, exchanged
+    through sx (x_full / x_free: each warpgroup's barriers, phase ph)."""
+    HALF: gl.constexpr = kc.shape[1] // 2
+    PIECE: gl.constexpr = 64  # columns a score wgmma
+    st_a = s_zero
+    st_b = s_zero
+    for j in gl.static_range(HALF_IDX * HALF // PIECE, (HALF_IDX + 1) * HALF // PIECE, 2):
+        st_a = warpgroup_mma(kc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
+            (1, 0)), st_a, use_acc=j > HALF_IDX * HALF // PIECE, is_async=True)
+        st_b = warpgroup_mma(kc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
+            (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > HALF_IDX * HALF // PIECE,
+            is_async=True)
+    st_a = warpgroup_mma(kp, qp.permute((1, 0)), st_a, is_async=True)
+    st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
+    st = st_a + st_b
+    mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
+    sx.index(HALF_IDX).store(st)
+    fence_async_shared()
+    mbarrier.arrive(x_full.index(HALF_IDX))
+    mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
+    st = st + sx.index(1 - HALF_IDX).load(s_zero.type.layout)
+    mbarrier.arrive(x_free.index(1 - HALF_IDX))
+    return st
+
+
+@gluon.jit
 def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size, qk_scale, HALF_IDX: gl.constexpr):
     """16 or 32 rows a program. Warpgroup HALF_IDX converts its half of each tile's c_kv and of its k_pe, computes
     the scores over those columns, adds the other warpgroup's through shared memory (both then hold the same Sᵀ
@@ -239,28 +268,8 @@ def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
         c = _convert_half(f8c.index(s), f8p.index(2 * s + HALF_IDX), kfc, kfp, sc, n0, end, HALF_IDX)
         mbarrier.arrive(empty.index(s))
         fence_async_shared()
-        q_smem = q_buf.index(z)
-        # two independent accumulation chains (pieces alternate), half the dependent wgmma latency
-        st_a = s_zero
-        st_b = s_zero
-        for j in gl.static_range(HALF_IDX * HALF // PIECE, (HALF_IDX + 1) * HALF // PIECE, 2):
-            st_a = warpgroup_mma(kfc.slice(j * PIECE, PIECE, dim=1), q_smem.slice(j * PIECE, PIECE, dim=1).permute(
-                (1, 0)), st_a, use_acc=j > HALF_IDX * HALF // PIECE, is_async=True)
-            st_b = warpgroup_mma(kfc.slice((j + 1) * PIECE, PIECE, dim=1), q_smem.slice(
-                (j + 1) * PIECE, PIECE, dim=1).permute((1, 0)), st_b, use_acc=j > HALF_IDX * HALF // PIECE,
-                is_async=True)
-        st_a = warpgroup_mma(kfp, qp_buf.index(2 * z + HALF_IDX).permute((1, 0)), st_a, is_async=True)
-        st_a, st_b = warpgroup_mma_wait(num_outstanding=0, deps=(st_a, st_b))
-        st = st_a + st_b
-        # the scores over the other warpgroup's columns
-        ph = t & 1
-        mbarrier.wait(x_free.index(HALF_IDX), ph ^ 1)  # fresh barriers count as released
-        sx.index(HALF_IDX).store(st)
-        fence_async_shared()
-        mbarrier.arrive(x_full.index(HALF_IDX))
-        mbarrier.wait(x_full.index(1 - HALF_IDX), ph)
-        st = st + sx.index(1 - HALF_IDX).load(s_layout)
-        mbarrier.arrive(x_free.index(1 - HALF_IDX))
+        st = _scores_exchanged(kfc, kfp, q_buf.index(z), qp_buf.index(2 * z + HALF_IDX), sx, x_full, x_free, t & 1,
+                               s_zero, HALF_IDX)
         p, m_i, l_k, alpha = _softmax_t(st, m_i, l_k, n0, end, pos, offs_n, c * qk_scale * inv_qs)
         pt = pt_buf.index(2 * z + HALF_IDX)
         pt.store(p.to(gl.float16))
