@@ -502,7 +502,8 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
     below, the short-context splits of ≥ 32 keys): whole tiles do not undo a split count (a 16-head sequence of 1000
     keys gets 32 one-tile chunks, as one of 1024, not 16 of two), and no context between the small-batch rule and a
     full GPU gets fewer, longer chunks (20000 keys: 125 chunks of 5 tiles, not 70 of 9). The Gluon launch has no
-    slot past batch × ⌈tiles / min_tiles⌉ (no schedule fills one)."""
+    slot (or program, the few-rows kernel's launch of programs) past batch × ⌈tiles / min_tiles⌉ (no schedule fills
+    one)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
@@ -520,7 +521,8 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
                     assert keys >= last[0], (gluon, heads, n_new, batch, last, ctx, keys)
                     last = (keys, ctx)
                     if plan.ws:
-                        assert plan.slots <= batch * -(-tiles // plan.min_tiles), (heads, n_new, batch, ctx, plan)
+                        launched = plan.programs or plan.slots
+                        assert launched <= batch * -(-tiles // plan.min_tiles), (heads, n_new, batch, ctx, plan)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: False)
     plans = {ctx: kernels.decode_plan((1, 1, 16), cache, ctx) for ctx in (1000, 1024, 2000, 20000)}
     assert [(p.splits, p.min_tiles) for p in plans.values()] == [  # (the H100's small splits: ≥ 128 keys)
