@@ -20,9 +20,8 @@ computed on the device from the lengths, once per step): chunks of one size for 
 fits (in a uniform batch decode_num_splits's static split; a long sequence in a skewed batch takes the spare
 programs), or, for this kernel and the few-rows Gluon kernel, where that leaves some programs far more work than
 others, contiguous ranges of the batch's key tiles cut at sequence ends; a program takes its chunks or pieces (both
-"slots") one after another. A
-sequence of one chunk is written to the output directly; the chunks of a longer one write partials (o, lse) in
-their slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤
+"slots") one after another. A sequence of one chunk is written to the output directly; the chunks of a longer one
+write partials (o, lse) in their slot's row, merged by their log-sum-exp: inside the decode kernel where the heuristic asks for ≤
 FUSED_MAX_SPLITS splits (the last chunk of a sequence to finish, counted by an atomic counter per (sequence,
 m-block), merges; o partials in the query dtype; a skewed batch's sequences of more than FUSED_MAX_CHUNKS chunks are
 left to the merge kernel after it), else by a second kernel over the list of sequences to merge (fp32 partials; the

@@ -168,8 +168,7 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.const
         c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
         o_ptr, lse_ptr, po_ptr, pl_ptr = out_args
         _epilogue(acc, m_i, l_i, c_acc, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct),
-                  0, rows,
-                  staging.index(HALF_IDX), HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+                  0, rows, staging.index(HALF_IDX), HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
 
 
 @gluon.jit
@@ -180,9 +179,7 @@ def _piece_tiles(q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, ready, empty, x_full, 
     BLOCK: gl.constexpr = kc_st.shape[1]
     KV_LORA: gl.constexpr = kc_st.shape[2]
     HALF: gl.constexpr = KV_LORA // 2
-    PIECE: gl.constexpr = 64  # columns a score wgmma
     dtype: gl.constexpr = kc_st.dtype
-    s_layout: gl.constexpr = s_zero.type.layout
     for t in range(n_tiles):
         s = it % STAGES
         n0 = start + t * BLOCK

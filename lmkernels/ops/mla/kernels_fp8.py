@@ -237,7 +237,6 @@ def _consumer_cols(q_args, smem, bars, out_args, span, s_ptr, bt_row, page_size,
     BLOCK_N: gl.constexpr = f8c.shape[1]
     KV_LORA: gl.constexpr = f8c.shape[2]
     HALF: gl.constexpr = KV_LORA // 2
-    PIECE: gl.constexpr = 64  # columns a score wgmma
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per row of q (a column of Sᵀ and Oᵀ)
