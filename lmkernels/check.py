@@ -268,11 +268,11 @@ def _mla_cases(big, dev, dt):
         if n_new == 1 and heads == 16 and big:  # a skewed batch: the few-rows kernel's ranges across sequence ends
             lens = [8192] + [300 + 7 * i for i in range(60)]
             sk_cache, sk_tables, sk_lens = _ragged_latent(lens, page, dev, dt)
-            qs, qps = torch.randn(len(lens), 1, heads, 512, device=dev, dtype=dt), torch.randn(
-                len(lens), 1, heads, 64, device=dev, dtype=dt)
-            yield (f"mla_decode({heads} heads, 1 x 8k + 60 short)", qs.shape,
-                   lambda: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07)[0],
-                   lambda: ref.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, 0.07)[0])
+            for h, q in ((16, 1), (8, 2)):  # 16 rows: one head each, or two new tokens of 8 heads
+                qs, qps = (torch.randn(len(lens), q, h, d, device=dev, dtype=dt) for d in (512, 64))
+                yield (f"mla_decode({h} heads{', q 2' if q == 2 else ''}, 1 x 8k + 60 short)", qs.shape,
+                       lambda qs=qs, qps=qps: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07)[0],
+                       lambda qs=qs, qps=qps: ref.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, 0.07)[0])
         if n_new == 1:  # the step's schedule made once, as a model's layers share it
             step = mla.mla_decode_schedule(cache, tables, seq_lens, num_heads=heads)
             yield (f"mla_decode({heads} heads, shared schedule)", qn.shape,
