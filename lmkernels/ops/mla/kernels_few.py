@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_fp8 import _epilogue, _scores_exchanged, _softmax_t, _tile_row
+from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
 from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
@@ -100,16 +100,10 @@ def _load_q_half(q_args, b64, row0, q_smem, qp_smem, HALF_IDX: gl.constexpr):
     """This warpgroup's half of q_lat and of q_pe for sequence b64's rows row0 … (row r = new token r // heads, head
     r % heads) into shared memory, as they are (the cache's dtype)."""
     qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
-    ROWS: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     PE_HALF: gl.constexpr = qp_smem.shape[1]
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-    row_ok = (r < n_new * heads)[:, None]
-    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-    e = gl.arange(0, PE_HALF, layout=gl.SliceLayout(0, ld))
-    qn_row = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
-    qp_row = qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
+    qn_row, qp_row, row_ok, d, e = _q_rows((qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh,
+                                            stride_qpb, stride_qpt, stride_qph), row0, q_smem.shape[0], HALF, PE_HALF)
     q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store(gl.load(qn_row + HALF_IDX * HALF + d[None, :], mask=row_ok,
                                                              other=0.0))
     qp_smem.store(gl.load(qp_row + HALF_IDX * PE_HALF + e[None, :], mask=row_ok, other=0.0))

@@ -143,24 +143,32 @@ def _convert_half(f8c_s, f8p_s, kfc, kfp, sc, n0, end, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _load_q(q_args, row0, q_smem, qp_own, qp_other, q_bar, HALF_IDX: gl.constexpr, ALL_COLUMNS: gl.constexpr):
-    """q rows row0 … (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory (its
-    largest value ≤ 2^14: the whole row is read). ALL_COLUMNS: all of q_lat, and q_pe's halves into qp_own (half
-    HALF_IDX) and qp_other; else this warpgroup's half of q_lat and of q_pe (qp_own), then wait for the other
-    warpgroup's half. Returns 2^-k per row (0-rows: 1)."""
+def _q_rows(q_args, row0, ROWS: gl.constexpr, HALF: gl.constexpr, PE_HALF: gl.constexpr):
+    """For q rows row0 … row0 + ROWS (row r = new token r // heads, head r % heads) of sequence b64: (pointers to
+    each row's q_lat and q_pe [ROWS, 1], which rows exist [ROWS, 1], column offsets of half of q_lat and of q_pe),
+    in the blocked layout the q loads use."""
     qn_ptr, qp_ptr, b64, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
-    ROWS: gl.constexpr = q_smem.shape[0]
-    HALF: gl.constexpr = q_smem.shape[1] // 2
-    PE_HALF: gl.constexpr = qp_own.shape[1]
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
     row_ok = (r < n_new * heads)[:, None]
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
     e = gl.arange(0, PE_HALF, layout=gl.SliceLayout(0, ld))
     qn_row = qn_ptr + b64 * stride_qnb + (r // heads)[:, None] * stride_qnt + (r % heads)[:, None] * stride_qnh
+    qp_row = qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
+    return qn_row, qp_row, row_ok, d, e
+
+
+@gluon.jit
+def _load_q(q_args, row0, q_smem, qp_own, qp_other, q_bar, HALF_IDX: gl.constexpr, ALL_COLUMNS: gl.constexpr):
+    """q rows row0 … (row r = new token r // heads, head r % heads) as f16 · 2^k per row into shared memory (its
+    largest value ≤ 2^14: the whole row is read). ALL_COLUMNS: all of q_lat, and q_pe's halves into qp_own (half
+    HALF_IDX) and qp_other; else this warpgroup's half of q_lat and of q_pe (qp_own), then wait for the other
+    warpgroup's half. Returns 2^-k per row (0-rows: 1)."""
+    HALF: gl.constexpr = q_smem.shape[1] // 2
+    PE_HALF: gl.constexpr = qp_own.shape[1]
+    qn_row, qp_row, row_ok, d, e = _q_rows(q_args, row0, q_smem.shape[0], HALF, PE_HALF)
     own = gl.load(qn_row + HALF_IDX * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
     other = gl.load(qn_row + (1 - HALF_IDX) * HALF + d[None, :], mask=row_ok, other=0.0).to(gl.float32)
-    qp_row = qp_ptr + b64 * stride_qpb + (r // heads)[:, None] * stride_qpt + (r % heads)[:, None] * stride_qph
     own_pe = gl.load(qp_row + HALF_IDX * PE_HALF + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
     other_pe = gl.load(qp_row + (1 - HALF_IDX) * PE_HALF + e[None, :], mask=row_ok, other=0.0).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.reduce(gl.abs(own), 1, _maximum), gl.reduce(gl.abs(other), 1, _maximum)),
