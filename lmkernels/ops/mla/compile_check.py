@@ -61,6 +61,19 @@ def few(split=True, dtype="bf16", ranges=False):
     return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
+def seesaw_t(split=True, dtype="bf16", ranges=False, rows=32):
+    """The transposed-seesaw Gluon kernel (kernels_seesaw_t.py) at `rows`, as mla_decode launches it on Hopper;
+    ranges: a launch of programs."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import kernels_seesaw_t as T
+
+    types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
+    ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=T.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=T.BLOCK_N,
+              RANGES=ranges, PROGRAM_ROW=T.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
+    return compile_kernel(T._mla_decode_seesaw_t_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=T.MAXNREG)
+
+
 def fp8(rows=16, split=True, dtype="bf16"):
     """The FP8 Gluon kernel (kernels_fp8.py) at `rows` (16, 32 or 64), as mla_decode launches it on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -114,6 +127,9 @@ def main(argv=None):
         _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     _show("mla decode rows 16, few rows (Gluon)", few())
     _show("mla decode rows 16, few rows (Gluon), a launch of programs", few(ranges=True))
+    for rows in (16, 32):
+        _show(f"mla decode rows {rows}, transposed seesaw (Gluon), a launch of programs", seesaw_t(ranges=True,
+                                                                                                  rows=rows))
     for rows in (16, 32, 64):
         _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))
