@@ -265,10 +265,18 @@ def _mla_cases(big, dev, dt):
                        lambda qf=qf, qpf=qpf, s=splits: mla.mla_decode(qf, qpf, cache, tables, seq_lens, scale=0.07,
                                                                        num_splits=s)[0],
                        lambda qf=qf, qpf=qpf: ref.mla_decode(qf, qpf, cache, tables, seq_lens, 0.07)[0])
-        if n_new == 1 and heads == 16 and big:  # a skewed batch: the few-rows kernel's ranges across sequence ends
+        if n_new == 2 and heads == 16:  # 24 and 32 rows: the transposed seesaw on a fast-DRAM Hopper, its own plan
+            # or a caller's chunks
+            for h, splits in ((12, None), (16, 4)):
+                qf, qpf = qn[:, :, :h], qp[:, :, :h]
+                yield (f"mla_decode({h} heads, q 2, {splits or 'planned'} splits)", qf.shape,
+                       lambda qf=qf, qpf=qpf, s=splits: mla.mla_decode(qf, qpf, cache, tables, seq_lens, scale=0.07,
+                                                                       num_splits=s)[0],
+                       lambda qf=qf, qpf=qpf: ref.mla_decode(qf, qpf, cache, tables, seq_lens, 0.07)[0])
+        if n_new == 1 and heads == 16 and big:  # a skewed batch: ranges across sequence ends (few rows, the seesaw)
             lens = [8192] + [300 + 7 * i for i in range(60)]
             sk_cache, sk_tables, sk_lens = _ragged_latent(lens, page, dev, dt)
-            for h, q in ((16, 1), (8, 2)):  # 16 rows: one head each, or two new tokens of 8 heads
+            for h, q in ((16, 1), (8, 2), (16, 2), (32, 1)):  # 16 rows (one head each, or two new tokens), 32 rows
                 qs, qps = (torch.randn(len(lens), q, h, d, device=dev, dtype=dt) for d in (512, 64))
                 yield (f"mla_decode({h} heads{', q 2' if q == 2 else ''}, 1 x 8k + 60 short)", qs.shape,
                        lambda qs=qs, qps=qps: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07)[0],

@@ -284,6 +284,20 @@ def test_few_rows_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
+def test_transposed_seesaw_kernel_compiles_for_hopper():
+    """The transposed-seesaw Gluon kernel (32 and 16 rows; GPU-checked by `lmkernels check`) builds for sm_90, one
+    chunk a program and over a launch of programs: each warpgroup scores its stage's tiles over all 576 columns (36
+    wgmma of K = 16) and multiplies both tiles' Pᵀ by its 256 columns (2 × 4 m64 blocks × 4 key steps); one TMA
+    message a 64-column piece and stage; one SM's shared memory, no spills (the z index keeps the wgmma descriptors
+    out of the loop preheader)."""
+    C = "lmkernels.ops.mla.compile_check"
+    for r in compile_in_fresh_process(f"[{C}.seesaw_t(True, 'bf16'), {C}.seesaw_t(False, 'fp16'), "
+                                      f"{C}.seesaw_t(ranges=True), {C}.seesaw_t(ranges=True, rows=16)]"):
+        assert r["wgmma"] == 2 * (36 + 2 * 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
+        assert r["smem_kb"] <= 227 and r["stack"] == 0, r
+
+
+@pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_fp8_kernel_compiles_for_hopper():
     """The FP8 Gluon kernel (16, 32 and 64 rows; GPU-checked by `lmkernels check`) builds for sm_90 with its two
     warpgroups' shares. Up to 32 rows column halves: each scores over 256 c_kv columns and 32 of k_pe (16 + 2 wgmma
@@ -542,7 +556,7 @@ def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
     32k); where keys set it the plan stays at one program an SM, and small batches there cut their splits down to 32
     keys instead of 128 (B=1 4k / 8k: 128 splits, B=2 4k: 66, B=4 4k: 33; not B=4 4k at two an SM). On an H100's
     25.4, and for 16 × 2 and 128 heads (with the Gluon kernels too), the plans are the one-program-an-SM plans with
-    128-key small splits."""
+    128-key small splits (16 × 2 as a launch of programs on the fast GPU: the transposed seesaw)."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: False)
@@ -560,8 +574,12 @@ def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
     assert [p.wave for p in fast] == [264] * 4 + [132] * 7 and all(p.wave == 132 for p in slow)
     assert fast[4:7] == slow[4:7]
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
-    for heads, n_new in ((16, 2), (128, 1)):
-        assert plans(36.4, heads, n_new) == plans(25.4, heads, n_new)
+    assert plans(36.4, 128, 1) == plans(25.4, 128, 1)
+    # 16 × 2: the same chunks, which the transposed seesaw takes as a launch of programs (kernels_ws.py as slots)
+    fast, slow = plans(36.4, 16, 2), plans(25.4, 16, 2)
+    assert [(p.splits, p.base, p.wave, p.min_tiles) for p in fast] == [(p.splits, p.base, p.wave, p.min_tiles)
+                                                                       for p in slow]
+    assert all(p.programs == p.base for p in fast) and not any(p.programs for p in slow)
 
 
 def test_few_rows_kernel_where_dram_outruns_the_triton_kernel(monkeypatch):
@@ -593,11 +611,17 @@ def test_few_rows_kernel_where_dram_outruns_the_triton_kernel(monkeypatch):
         assert not kernels.decode_plan((batch, 1, 16), cache, ctx).ws, (batch, ctx)
     assert kernels.decode_plan((4, 1, 8), cache, 8192, num_splits=8).ws  # 8 rows: a block of 16
     assert not kernels.decode_plan((4, 1, 16), cache, 8192, num_splits=64).ws  # 2-tile chunks
-    # 16 × 2 and FP8 caches: their own kernels (kernels_ws.py's 64-row blocks, kernels_fp8.py)
+    # 16 × 2 and FP8 caches: their own kernels (kernels_seesaw_t.py here, kernels_ws.py's 64-row blocks on an H100,
+    # kernels_fp8.py)
     assert [bool(kernels.decode_config(rows, fp8).get("FAST_DRAM_FEW")) for rows, fp8 in (
         (8, False), (16, False), (32, False), (16, True))] == [True, True, False, False]
+    assert [kernels.seesaw_t_rows(rows, cache) for rows in (24, 32, 64)] == [True, True, False]
+    mtp, heads32 = (kernels.decode_plan(shape, cache, 8192) for shape in ((32, 2, 16), (32, 1, 32)))
+    assert mtp.ws and mtp == heads32 and mtp.programs == 132 and mtp.slots == 32 + 132 - 1, mtp
+    assert kernels.decode_plan((4, 2, 16), cache, 8192, num_splits=4).programs == 0  # a caller's chunks: slots
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 25.4)
     assert not kernels.decode_plan((32, 1, 16), cache, 8192).ws
+    assert not kernels.seesaw_t_rows(32, cache) and kernels.decode_plan((32, 2, 16), cache, 8192).programs == 0
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
     monkeypatch.setattr(kernels, "interpreting", lambda: True)
     assert not kernels.decode_plan((32, 1, 16), cache, 8192).ws

@@ -32,8 +32,9 @@ loaded once per key and 128-value group.
 On Hopper, with a 16-bit cache in 64-key pages, 32 rows and more (decode_config) run the warp-specialised Gluon
 kernel of kernels_ws.py instead (a TMA loader warp and two consumer warpgroups in a seesaw, 64-row blocks), and on a
 Hopper GPU whose DRAM outruns this kernel's 16-row programs (FAST_DRAM_GBPS_PER_SM) 16 rows the few-rows Gluon kernel
-of kernels_few.py where its chunks are long enough (FEW_MIN_TILES); this kernel remains the path everywhere else
-and the one the CPU tests run (the interpreter cannot run Gluon).
+of kernels_few.py where its chunks are long enough (FEW_MIN_TILES) and 17–32 rows the transposed seesaw of
+kernels_seesaw_t.py (no padded rows); this kernel remains the path everywhere else and the one the CPU tests run (the
+interpreter cannot run Gluon).
 """
 
 from typing import NamedTuple
@@ -671,6 +672,10 @@ FAST_DRAM_GBPS_PER_SM = 28.0
 # B=128 8k 310.9 → 285.9, B=32 32k 309.9 → 286.4, B=32 1k 22.2 → 21.1, B=1 32k 22.5 → 21.9 (chunks of 4 tiles), B=8
 # 4k 24.9 → 25.4 (4), B=1 8k 13.1 → 14.4 (2 tiles: 64 chunks against the Triton kernel's 128 of 64 keys)
 FEW_MIN_TILES = 4
+# 17–32 rows on such a GPU: kernels_seesaw_t.py instead of kernels_ws.py's padded 64-row blocks (seesaw_t_rows). H200
+# A/B (NOTES, issue 6, session ah), µs kernels_ws → transposed seesaw on the programs plan: 16 × 2 B=32 8k 88.8 → 86.9,
+# B=128 8k 318.0 → 301.4, B=32 1k 24.7 → 23.6, B=32 32k 303.8 → 294.4, 1 × 8k + 127 × 512 64.2 → 43.2; 32 heads B=32
+# 8k 89.5 → 87.0. The H100 keeps kernels_ws.py (not measured there).
 
 
 def decode_config(rows: int, fp8: bool = False):
@@ -696,7 +701,8 @@ def decode_config(rows: int, fp8: bool = False):
     +37–51% at 8k–32k, +18–25% at 1k, 32 rows +5–12%; its seesaw schedule, session m: 128 heads +21–28% at 8k–32k,
     +20% at B=128 1k, 32 rows within −2%): 64-key tiles × 2 stages (32 × 4 −20%, 16 × 8 −45% in session i),
     16-bit partials through the merge kernel (+14% at 128 heads B=32 1k, +2% at 16 × 2 B=32 8k over fp32 ones, once
-    the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i).
+    the kernel stored o in whole-row pieces; merging inside the kernel was slower, session i); on a fast-DRAM GPU
+    17–32 rows the transposed seesaw of kernels_seesaw_t.py on the same tiles (seesaw_t_rows).
     FP8 caches: on Hopper in 64-key pages the Gluon kernel of kernels_fp8.py (WS; 16, 32 or 64 rows a program,
     m-blocks of 64 above; sessions x and y: 16 heads 1.6–2.1x this kernel's FP8 path, 128 heads 2.0–3.5x). This
     kernel's FP8 path (elsewhere): fewer stages, since the dequantised tile is staged in shared memory again
@@ -754,8 +760,9 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     grid is m-blocks × programs, and the schedule (schedule.py) balances the keys over them from the lengths on the
     device. The Triton kernel launches the heuristic's slots (below) as programs, which take chunks or ranges of the
     batch's key tiles across sequence ends, whichever the schedule finds better (schedule.py; slots: the pieces they
-    can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program), and so does the few-rows Gluon kernel
-    (16 rows of a 16-bit cache), one program an SM. The other Gluon kernels take chunks, one a program: splits:
+    can make, batch + programs − 1 ≤ RANGE_BLOCK; else one chunk a program), and so do the few-rows Gluon kernel
+    and the transposed seesaw (16 and 17–32 rows of a 16-bit cache), one program an SM. The other Gluon kernels take
+    chunks, one a program: splits:
     decode_num_splits's count per sequence (or the caller's);
     slots: batch × splits, rounded up to whole waves of programs (the spare ones take chunks of long sequences in a
     skewed batch; where keys set the split count, or for one sequence, no schedule uses them, so the Gluon launch
@@ -783,7 +790,8 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     if ws:  # the Gluon kernel's key tile also decides the chunk boundaries (both Gluon kernels: 64 keys)
         from . import kernels_few, kernels_fp8, kernels_ws
 
-        ranges = not fp8 and n_new * heads <= kernels_few.MAX_ROWS  # the few-rows kernel takes them too
+        # the few-rows kernel and the transposed seesaw take them too
+        ranges = not fp8 and (n_new * heads <= kernels_few.MAX_ROWS or seesaw_t_rows(n_new * heads, cache))
         cfg.update(BLOCK_M=kernels_fp8.block_rows(n_new * heads) if fp8 else kernels_ws.BLOCK_M,
                    BLOCK_N=kernels_ws.BLOCK_N, PROGRAMS_PER_SM=1)
     m_blocks = triton.cdiv(n_new * heads, cfg["BLOCK_M"])
@@ -841,6 +849,14 @@ def decode_plan(shape, cache, max_context, num_splits=None, config=None) -> Deco
     longest = triton.cdiv(max_context, block_n)
     extra = wave if (splits == 1 and 2 * batch > wave and ws and longest > SWITCH_TILES + 1) else 0
     return DecodePlan(cfg, ws, m_blocks, splits, slots + extra, slots, wave, min_tiles)
+
+
+def seesaw_t_rows(rows, cache):
+    """Whether `rows` (> 16) of a 16-bit cache the Gluon kernels take go to kernels_seesaw_t.py (up to its MAX_ROWS on
+    a fast-DRAM GPU: FAST_DRAM_GBPS_PER_SM) rather than to kernels_ws.py's 64-row blocks."""
+    from .kernels_seesaw_t import MAX_ROWS
+
+    return rows <= MAX_ROWS and dram_gbps_per_sm(cache.device) >= FAST_DRAM_GBPS_PER_SM
 
 
 def _ws_supported(cache):
@@ -927,14 +943,17 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
 
         mla_decode_fp8(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, o, lse, part_o, part_l, sched,
                        scale * LOG2E, slots, pdl, merge_pdl)
-    elif ws:  # the few-rows kernel up to its rows, the 64-row blocks above
+    elif ws:  # few rows, the transposed seesaw to 32 rows on a fast-DRAM GPU, else the 64-row blocks
         from .kernels_few import MAX_ROWS, mla_decode_few
+        from .kernels_seesaw_t import mla_decode_seesaw_t
         from .kernels_ws import mla_decode_ws
 
         args = (q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E, slots, pdl,
                 merge_pdl)
         if n_new * heads <= MAX_ROWS:
             mla_decode_few(*args, programs=programs)
+        elif seesaw_t_rows(n_new * heads, cache):
+            mla_decode_seesaw_t(*args, programs=programs)
         else:
             mla_decode_ws(*args)
     else:

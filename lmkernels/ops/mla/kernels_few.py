@@ -34,8 +34,8 @@ from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
 NSTAGE = 2  # 72 KB stages; with q, the exchange and o's staging buffers 190 KB at 16 rows
-MAX_ROWS = 16  # more rows take kernels_ws.py's 64-row blocks: at 32 rows (16 × 2) this kernel was 1–7% slower on
-# the H200 (NOTES, issue 6, session af)
+MAX_ROWS = 16  # more rows take kernels_seesaw_t.py (or kernels_ws.py's 64-row blocks): at 32 rows (16 × 2) this
+# kernel was 1–7% slower than the 64-row blocks on the H200 (NOTES, issue 6, session af)
 
 
 @gluon.jit

@@ -18,7 +18,9 @@ A program (one an SM) takes its slots one after another, as kernels_few.py's: a 
 chunks, or a range of the batch's key tiles across sequence ends) or one chunk (kernels_ws.py's schedule). Each
 piece starts on stage 0; each loads its sequence's q (once both warpgroups are past the last piece's scores) and
 stages its o through a buffer of its own (the stages may already hold the next piece's tiles).
-Outputs, LSE and partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon):
+H200 against kernels_ws.py (NOTES, issue 6, session ah; the programs plan): 16 × 2 B=32 8k −2%, B=128 8k −5%, B=32 1k
+and B=32 32k −3 to −4%, 32 heads B=32 8k −3%, skewed 16 × 2 batches −22 to −33%; at 16 rows level with kernels_few.py,
+which keeps them. Outputs, LSE and partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon):
 CPU tests run kernels.py; `lmkernels check` compares this kernel with the reference on the GPU."""
 
 from triton.experimental import gluon
@@ -110,23 +112,20 @@ def _scores(q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, phase, s_zero):
         a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 5, phase, False)
         b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 6, phase, False)
         a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 7, phase, False)
-    return a, b
+    a, b = warpgroup_mma_wait(num_outstanding=0, deps=(a, b))
+    return a + b
 
 
 @gluon.jit
-def _issue_multiply(acc, kc_s, pt, key0, end, col0: gl.constexpr):
+def _multiply(acc, kc_s, pt, key0, end, col0: gl.constexpr):
     """Oᵀ += (this warpgroup's columns of the tile in kc_s)ᵀ · Pᵀ, their rows past the end zeroed first (the page
     may hold NaN there; P is 0 but 0 · NaN is not)."""
     HALF: gl.constexpr = acc.shape[0]
     v = kc_s.slice(col0, HALF, dim=1)
     if key0 + kc_s.shape[0] > end:
         _zero_past_end(v, end - key0)
-    return warpgroup_mma(v.permute((1, 0)), pt, acc, is_async=True)
-
-
-@gluon.jit
-def _multiply(acc, kc_s, pt, key0, end, col0: gl.constexpr):
-    return warpgroup_mma_wait(num_outstanding=0, deps=(_issue_multiply(acc, kc_s, pt, key0, end, col0),))
+    acc = warpgroup_mma(v.permute((1, 0)), pt, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
 
 @gluon.jit
@@ -137,7 +136,7 @@ def _rescale(m_i, m_new):
 
 @gluon.jit
 def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, SPLIT: gl.constexpr,
-              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, EARLY: gl.constexpr, DEFER: gl.constexpr):
+              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Warpgroup W: columns [256 W, +256) of Oᵀ; scores the tiles of stage W. Per pair of tiles (t0, t1), m the
     running max: 0 scores t0, its softmax from m gives m0 and P0 (both to shared memory), o_L = o_L · α0 + V0Lᵀ P0;
     1 scores t1, takes m0, its softmax gives m1 and P1, o_R = (o_R · α0 + V0Rᵀ P0) · α1 + V1Rᵀ P1; 0 takes m1:
@@ -174,7 +173,6 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
         l_k = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
         acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
         n_tiles = _tiles(start, end, BLOCK)
-        pending = False
         for t in range((n_tiles + 1) // 2):
             ph0 = n0 & 1
             ph1 = n1 & 1
@@ -189,21 +187,7 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
             pt0 = pt.index(z)
             pt1 = pt.index(z + 1)
             if W == 0:
-                a, b = _scores(q_buf.index(z), qp_buf.index(z), kc0, kp.index(z), ready, 0, ph0, s_zero)
-                st = s_zero
-                if DEFER and pending:  # the last pair's t1 multiplied while this pair's scores run
-                    mbarrier.wait(bar_m.index(1), ph1 ^ 1)
-                    m1 = sm.slice(ROWS, ROWS).load(col_layout)
-                    a1 = _rescale(m_i, m1)
-                    l_k = l_k * a1[None, :]
-                    m_i = m1
-                    pv = _issue_multiply(acc * a1[None, :], kc1, pt1, key0 - BLOCK, end, 0)
-                    sa, sb, acc = warpgroup_mma_wait(num_outstanding=0, deps=(a, b, pv))
-                    mbarrier.arrive(empty.index(3))
-                    st = sa + sb
-                else:
-                    sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(a, b))
-                    st = sa + sb
+                st = _scores(q_buf.index(z), qp_buf.index(z), kc0, kp.index(z), ready, 0, ph0, s_zero)
                 p, m0, l_k, a0 = _softmax_t(st, m_i, l_k, key0, end, pos, offs_n, scale)
                 pt0.store(p.to(dtype))
                 sm.slice(0, ROWS).store(m0)
@@ -212,9 +196,7 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
                 acc = _multiply(acc * a0[None, :], kc0, pt0, key0, end, 0)
                 mbarrier.arrive(empty.index(0))
                 m_i = m0
-                if DEFER:
-                    pending = has1
-                elif has1:
+                if has1:
                     mbarrier.wait(bar_m.index(1), ph1)
                     m1 = sm.slice(ROWS, ROWS).load(col_layout)
                     a1 = _rescale(m0, m1)
@@ -222,28 +204,10 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
                     acc = _multiply(acc * a1[None, :], kc1, pt1, key1, end, 0)
                     mbarrier.arrive(empty.index(3))
                     m_i = m1
-            elif EARLY and has1:  # t0 multiplied (and its stage half given back) before t1's softmax
-                a, b = _scores(q_buf.index(z), qp_buf.index(z), kc1, kp.index(z + 1), ready, 1, ph1, s_zero)
-                mbarrier.wait(bar_m.index(0), ph0)
-                m0 = sm.slice(0, ROWS).load(col_layout)
-                a0 = _rescale(m_i, m0)
-                l_k = l_k * a0[None, :]
-                pv = _issue_multiply(acc * a0[None, :], kc0, pt0, key0, end, HALF)
-                sa, sb, acc = warpgroup_mma_wait(num_outstanding=0, deps=(a, b, pv))
-                mbarrier.arrive(empty.index(1))
-                p, m_i, l_k, a1 = _softmax_t(sa + sb, m0, l_k, key1, end, pos, offs_n, scale)
-                pt1.store(p.to(dtype))
-                sm.slice(ROWS, ROWS).store(m_i)
-                fence_async_shared()
-                mbarrier.arrive(bar_m.index(1))
-                acc = _multiply(acc * a1[None, :], kc1, pt1, key1, end, HALF)
-                mbarrier.arrive(empty.index(2))
             else:
                 st = s_zero
                 if has1:
-                    a, b = _scores(q_buf.index(z), qp_buf.index(z), kc1, kp.index(z + 1), ready, 1, ph1, s_zero)
-                    sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(a, b))
-                    st = sa + sb
+                    st = _scores(q_buf.index(z), qp_buf.index(z), kc1, kp.index(z + 1), ready, 1, ph1, s_zero)
                 mbarrier.wait(bar_m.index(0), ph0)
                 m0 = sm.slice(0, ROWS).load(col_layout)
                 a0 = _rescale(m_i, m0)
@@ -264,17 +228,6 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
             n0 += 1
             if has1:
                 n1 += 1
-        if DEFER and W == 0:
-            if pending:  # the piece's last tile, t1 of its last pair
-                mbarrier.wait(bar_m.index(1), (n1 & 1) ^ 1)
-                m1 = sm.slice(ROWS, ROWS).load(col_layout)
-                a1 = _rescale(m_i, m1)
-                l_k = l_k * a1[None, :]
-                z = start >> 31
-                key1 = start + (n_tiles - 1) * BLOCK
-                acc = _multiply(acc * a1[None, :], kc.index(z + 1), pt.index(z + 1), key1, end, 0)
-                mbarrier.arrive(empty.index(3))
-                m_i = m1
         # l: each warpgroup summed its own tiles' P (both under the final max): exchange through shared memory; past
         # this barrier both warpgroups are done with the piece's scores, so q may be loaded again
         l_i = gl.reduce(l_k, 0, _add)
@@ -289,14 +242,14 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
 
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                      SCHEDULE_ROW: gl.constexpr, EARLY: gl.constexpr, DEFER: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW, EARLY, DEFER)
+                      SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                     SCHEDULE_ROW: gl.constexpr, EARLY: gl.constexpr, DEFER: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW, EARLY, DEFER)
+                     SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -306,8 +259,7 @@ def _mla_decode_seesaw_t_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, RANGES: gl.constexpr = False, PROGRAM_ROW: gl.constexpr = 8,
-    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False, EARLY: gl.constexpr = False,
-    DEFER: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names, one after another in one pipeline (kernels_few.py)."""
@@ -355,8 +307,7 @@ def _mla_decode_seesaw_t_kernel(
     pieces = (sched_ptr, len_ptr, prow, first, count)
     smem = (q_smem, qp_smem, kc, kp, pt, sm, sl, staging)
     bars = (ready, empty, bar_m, q_bar)
-    args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW, EARLY,
-            DEFER)
+    args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)
     gl.warp_specialize([
         (_consumer_default, args),
         (_consumer_worker, args),
@@ -369,7 +320,7 @@ MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the cons
 
 
 def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                        pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS, early=False, defer=False):
+                        pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS):
     """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
     over (1, programs), a launch of programs (schedule.py)."""
     batch, n_new, heads, _ = q_nope.shape
@@ -379,7 +330,7 @@ def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, par
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=BLOCK_N,
-        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, EARLY=early, DEFER=defer,
-        num_warps=4, maxnreg=MAXNREG,
+        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
+        maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -1,5 +1,5 @@
 """Warp-specialised MLA decode on Hopper, written in Gluon: 64-row blocks (128 heads; 16 × 2 MTP rows padded
-to 64, see kernels.decode_config).
+to 64 where kernels_seesaw_t.py does not take them: an H100, see kernels.seesaw_t_rows).
 
 Why: with 64 rows the Triton kernel (kernels.py) is one 8-warp program per SM whose QK wgmma, softmax and PV
 wgmma run one after the other, at 35–41% of the bf16 GEMM rate; Triton 3.6's own warp specialisation declines
