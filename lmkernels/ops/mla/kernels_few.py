@@ -55,6 +55,22 @@ def _piece(pieces, k, SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: g
 
 
 @gluon.jit
+def _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT: gl.constexpr, RANGES: gl.constexpr,
+                    SCHEDULE_ROW: gl.constexpr, PROGRAM_ROW: gl.constexpr):
+    """The pieces of this program (_piece's first argument): RANGES, the slots its row of prog_ptr names (its first
+    slot, its slot count, that slot's row); else its own slot, none where it is a spare one (sequence −1)."""
+    p = gl.program_id(1)
+    prow = prog_ptr + p * PROGRAM_ROW
+    if RANGES:
+        first = gl.load(prow)
+        count = gl.load(prow + 1)
+    else:
+        first = p
+        count = (_slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)[0] >= 0).to(gl.int32)
+    return sched_ptr, len_ptr, prow, first, count
+
+
+@gluon.jit
 def _tiles(start, end, BLOCK: gl.constexpr):
     return (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
 
@@ -228,15 +244,8 @@ def _mla_decode_few_kernel(
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    p = gl.program_id(1)
-    prow = prog_ptr + p * PROGRAM_ROW
-    if RANGES:  # the program's row: its first slot, its slot count, that slot's row
-        first = gl.load(prow)
-        count = gl.load(prow + 1)
-    else:
-        first = p
-        count = (_slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)[0] >= 0).to(gl.int32)  # −1: a spare slot
-    if count == 0:
+    pieces = _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW)
+    if pieces[4] == 0:
         return
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -262,7 +271,6 @@ def _mla_decode_few_kernel(
         mbarrier.init(x_full.index(i), count=1)
         mbarrier.init(x_free.index(i), count=1)
     q_args = (qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
-    pieces = (sched_ptr, len_ptr, prow, first, count)
     smem = (q_smem, qp_smem, kc, kp, pt, sx, staging)
     bars = (ready, empty, x_full, x_free)
     args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)

@@ -29,9 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_few import _load_q_half, _piece, _tiles, _zero_past_end
+from .kernels_few import _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
-from .kernels_ws import PIECES, _add, _load_piece, _slot_chunk
+from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -80,38 +80,23 @@ def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page
         gdc_launch_dependents()
 
 
-@gluon.jit
-def _qk_piece(st, q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, phase,
-              FIRST: gl.constexpr):
-    """Sᵀ += piece j of the tile in stage s (c_kv columns [64 j, +64), or k_pe for j = 8) · its q columns, once
-    it has landed."""
-    mbarrier.wait(ready.index(s * PIECES + j), phase)
-    if j == 8:
-        return warpgroup_mma(kp_s, qp_smem.permute((1, 0)), st, use_acc=not FIRST, is_async=True)
-    return warpgroup_mma(kc_s.slice(64 * j, 64, dim=1), q_smem.slice(64 * j, 64, dim=1).permute((1, 0)), st,
-                         use_acc=not FIRST, is_async=True)
+@gluon.constexpr_function
+def _loaded_piece(s, i):
+    """The i-th piece the loader puts into stage s: c_kv's 8 in order, k_pe last in stage 0 and fifth in stage 1."""
+    return i if s == 0 or i < 4 else (8 if i == 4 else i - 1)
 
 
 @gluon.jit
 def _scores(q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, phase, s_zero):
     """Sᵀ [keys, rows] of the tile in stage s over all 576 columns, pieces in the loader's order, alternating
     between two accumulation chains (half the dependent wgmma latency)."""
-    a = _qk_piece(s_zero, q_smem, qp_smem, kc_s, kp_s, ready, s, 0, phase, True)
-    b = _qk_piece(s_zero, q_smem, qp_smem, kc_s, kp_s, ready, s, 1, phase, True)
-    a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 2, phase, False)
-    b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 3, phase, False)
-    if s == 0:
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 4, phase, False)
-        b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 5, phase, False)
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 6, phase, False)
-        b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 7, phase, False)
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 8, phase, False)
-    else:
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 8, phase, False)
-        b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 4, phase, False)
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 5, phase, False)
-        b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, 6, phase, False)
-        a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, 7, phase, False)
+    a = s_zero
+    b = s_zero
+    for i in gl.static_range(PIECES):
+        if i % 2 == 0:
+            a = _qk_piece(a, q_smem, qp_smem, kc_s, kp_s, ready, s, _loaded_piece(s, i), phase, i < 2, True)
+        else:
+            b = _qk_piece(b, q_smem, qp_smem, kc_s, kp_s, ready, s, _loaded_piece(s, i), phase, i < 2, True)
     a, b = warpgroup_mma_wait(num_outstanding=0, deps=(a, b))
     return a + b
 
@@ -267,15 +252,8 @@ def _mla_decode_seesaw_t_kernel(
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    p = gl.program_id(1)
-    prow = prog_ptr + p * PROGRAM_ROW
-    if RANGES:  # the program's row: its first slot, its slot count, that slot's row
-        first = gl.load(prow)
-        count = gl.load(prow + 1)
-    else:
-        first = p
-        count = (_slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)[0] >= 0).to(gl.int32)  # −1: a spare slot
-    if count == 0:
+    pieces = _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW)
+    if pieces[4] == 0:
         return
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -291,20 +269,10 @@ def _mla_decode_seesaw_t_kernel(
     sl = gl.allocate_shared_memory(gl.float32, [2 * ROWS], flat1)  # each warpgroup's l
     # each warpgroup's half of o on its way out (not a stage: the loader fills them with the next piece's tiles)
     staging = gl.allocate_shared_memory(dtype, [2, ROWS, KV_LORA // 2], flat)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # stage · 2 + (0's, 1's columns)
-    bar_m = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # m0 + P0, m1 + P1, final l
+    ready, empty, bar_m = _seesaw_barriers()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * PIECES):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(4):
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(bar_m.index(0), count=1)
-    mbarrier.init(bar_m.index(1), count=1)
-    mbarrier.init(bar_m.index(2), count=2)
     mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
     q_args = (qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
-    pieces = (sched_ptr, len_ptr, prow, first, count)
     smem = (q_smem, qp_smem, kc, kp, pt, sm, sl, staging)
     bars = (ready, empty, bar_m, q_bar)
     args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)

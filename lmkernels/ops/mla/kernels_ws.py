@@ -146,12 +146,21 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
 
 @gluon.jit
 def _qk_piece(sc, q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, phase,
-              FIRST: gl.constexpr):
+              FIRST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
+    """S += q · (piece j of the tile in stage s)ᵀ (c_kv columns [64 j, +64), or k_pe for j = 8), once it has
+    landed; TRANSPOSED: Sᵀ += piece · qᵀ (kernels_seesaw_t.py)."""
     mbarrier.wait(ready.index(s * PIECES + j), phase)
     if j == 8:
-        return warpgroup_mma(qp_smem, kp_s.permute((1, 0)), sc, use_acc=not FIRST, is_async=True)
-    return warpgroup_mma(q_smem.slice(64 * j, 64, dim=1), kc_s.slice(64 * j, 64, dim=1).permute((1, 0)), sc,
-                         use_acc=not FIRST, is_async=True)
+        q = qp_smem
+        k = kp_s
+    else:
+        q = q_smem.slice(64 * j, 64, dim=1)
+        k = kc_s.slice(64 * j, 64, dim=1)
+    if TRANSPOSED:
+        sc = warpgroup_mma(k, q.permute((1, 0)), sc, use_acc=not FIRST, is_async=True)
+    else:
+        sc = warpgroup_mma(q, k.permute((1, 0)), sc, use_acc=not FIRST, is_async=True)
+    return sc
 
 
 @gluon.jit
@@ -354,6 +363,23 @@ def _slot_chunk(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.
 
 
 @gluon.jit
+def _seesaw_barriers():
+    """The seesaw's barriers, initialised: ready (a piece of a stage landed), empty (a stage's half given back: stage
+    · 2 + (its scoring warpgroup's columns, the other's)) and bar_m (m0 + P0, m1 + P1, the final l: both)."""
+    ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    bar_m = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * PIECES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(4):
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(bar_m.index(0), count=1)
+    mbarrier.init(bar_m.index(1), count=1)
+    mbarrier.init(bar_m.index(2), count=2)
+    return ready, empty, bar_m
+
+
+@gluon.jit
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
@@ -375,18 +401,9 @@ def _mla_decode_ws_kernel(
     mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
     kc = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], wide)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # stage · 2 + (own, other)
-    bar_m = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # m0 + P0, m1 + P1, final l
+    ready, empty, bar_m = _seesaw_barriers()
     sm = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # m0 | m1
     sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
-    for i in gl.static_range(2 * PIECES):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(4):
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(bar_m.index(0), count=1)
-    mbarrier.init(bar_m.index(1), count=1)
-    mbarrier.init(bar_m.index(2), count=2)
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
