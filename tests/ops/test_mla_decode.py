@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from lmkernels.ops.mla import kernels, kernels_fp8, kernels_ws, mla_decode, mla_decode_schedule, reference, schedule
+from lmkernels.ops.mla import (kernels, kernels_few, kernels_fp8, kernels_seesaw_t, kernels_ws, mla_decode,
+                               mla_decode_schedule, reference, schedule)
 from tests.helpers import compile_in_fresh_process, nan_empty
 
 SCALE = 192 ** -0.5
@@ -548,6 +549,39 @@ def test_small_batch_chunks_grow_with_the_context(monkeypatch, dram):
     # 24 of two, not one-tile chunks (7% slower); B=3 4k keeps 16 chunks of 4 tiles (22 of 3 were 6% slower)
     assert [kernels.decode_plan((b, 1, 128), cache, ctx).min_tiles
             for b, ctx in ((1, 8000), (1, 3000), (3, 4096))] == [2, 2, 4]
+
+
+@pytest.mark.parametrize("dram", [36.4, 25.4])
+def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
+    """Where the Gluon kernels run (kernels recorded here, not run), mla_decode sends 16 rows (16 heads, or 8 × 2) to
+    the few-rows kernel, 17–32 (12 × 2, 16 × 2, 32 heads) to the transposed seesaw and 128 heads to the 64-row
+    blocks on a fast-DRAM Hopper (H200: 36.4 GB/s an SM), each with its plan's programs; on an H100 (25.4) 16 rows
+    take the Triton kernel (not recorded) and 17–32 rows the 64-row blocks, on chunk slots."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
+    monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: None)
+    calls = []
+    monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs: calls.append(("few", programs)))
+    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", lambda *a, programs: calls.append(("seesaw_t",
+                                                                                                     programs)))
+    monkeypatch.setattr(kernels_ws, "mla_decode_ws", lambda *a: calls.append(("ws", 0)))
+    monkeypatch.setattr(kernels, "_mla_decode_kernel", None)  # the Triton kernel: not launched here
+    cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
+    tables = torch.arange(128, dtype=torch.int32).repeat(32, 1)  # 32 sequences of 8000 keys, sharing the pages
+    lens = torch.full((32,), 8000, dtype=torch.int32)
+    want = {36.4: ["few", "few", "seesaw_t", "seesaw_t", "seesaw_t", "ws"],
+            25.4: ["ws", "ws", "ws", "ws"]}[dram]
+    shapes = ((1, 16), (2, 8), (2, 12), (2, 16), (1, 32), (1, 128)) if dram > 30 else ((2, 12), (2, 16), (1, 32),
+                                                                                         (1, 128))
+    for n_new, heads in shapes:
+        q_nope = torch.zeros(32, n_new, heads, 512, dtype=torch.bfloat16)
+        q_pe = torch.zeros(32, n_new, heads, 64, dtype=torch.bfloat16)
+        plan = kernels.decode_plan((32, n_new, heads), cache, 8192)
+        kernels.mla_decode(q_nope, q_pe, cache, None, tables, lens, SCALE, 0, 8192)
+        assert calls[-1][1] == plan.programs and (plan.programs > 0) == (calls[-1][0] != "ws"), (n_new, heads, plan)
+    assert [name for name, _ in calls] == want
 
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):
