@@ -20,8 +20,8 @@ piece starts on stage 0; each loads its sequence's q (once both warpgroups are p
 stages its o through a buffer of its own (the stages may already hold the next piece's tiles).
 H200 against kernels_ws.py (NOTES, issue 6, session ah; the programs plan): 16 × 2 B=32 8k −2%, B=128 8k −5%, B=32 1k
 and B=32 32k −3 to −4%, 32 heads B=32 8k −3%, skewed 16 × 2 batches −22 to −33%; at 16 rows level with kernels_few.py,
-which keeps them. Outputs, LSE and partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon):
-CPU tests run kernels.py; `lmkernels check` compares this kernel with the reference on the GPU."""
+which keeps them. Outputs, LSE and partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter
+cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares this kernel with the reference on the GPU."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
