@@ -66,12 +66,12 @@ def seesaw_t(split=True, dtype="bf16", ranges=False, rows=32):
     ranges: a launch of programs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import kernels_seesaw_t as T
+    from . import kernels_few as F, kernels_seesaw_t as T
 
     types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
-    ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=T.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=T.BLOCK_N,
-              RANGES=ranges, PROGRAM_ROW=T.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
-    return compile_kernel(T._mla_decode_seesaw_t_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=T.MAXNREG)
+    ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=F.BLOCK_N,
+              RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
+    return compile_kernel(T._mla_decode_seesaw_t_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
 def fp8(rows=16, split=True, dtype="bf16"):

@@ -285,18 +285,27 @@ def _mla_decode_few_kernel(
 MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the consumers get 240, the loader 24
 
 
-def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                   pdl=False, merge_pdl=False, programs=0):
-    """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
-    (1, programs), a launch of programs (schedule.py)."""
+def launch_programs(kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale,
+                    slots, pdl, merge_pdl, programs, **constexprs):
+    """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too) over (1, slots), one
+    chunk a program, or over (1, programs), a launch of programs (programs > 0: schedule.py); constexprs: the rows
+    and the kernel's own."""
     batch, n_new, heads, _ = q_nope.shape
-    _mla_decode_few_kernel[(1, programs or slots)](
+    kernel[(1, programs or slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
-        SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=16, BLOCK_N=BLOCK_N,
-        NSTAGE=NSTAGE, RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
-        maxnreg=MAXNREG,
+        SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_N=BLOCK_N,
+        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
+        maxnreg=MAXNREG, **constexprs,
         **({"launch_pdl": True} if pdl else {}),
     )
+
+
+def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
+                   pdl=False, merge_pdl=False, programs=0):
+    """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
+    (1, programs), a launch of programs (schedule.py)."""
+    launch_programs(_mla_decode_few_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
+                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE)

@@ -29,12 +29,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_few import _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end
+from .kernels_few import MAXNREG, _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, launch_programs
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
 from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
-from .schedule import PROGRAM_ROW, ROW, program_rows
 
-BLOCK_N = 64  # keys per tile: the M of the score wgmma
 MAX_ROWS = 32  # rows a program (fewer padded)
 
 
@@ -284,21 +282,9 @@ def _mla_decode_seesaw_t_kernel(
     ], [4, 1], [240, 24])
 
 
-MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the consumers get 240, the loader 24
-
-
 def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                         pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS):
     """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
     over (1, programs), a launch of programs (schedule.py)."""
-    batch, n_new, heads, _ = q_nope.shape
-    _mla_decode_seesaw_t_kernel[(1, programs or slots)](
-        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-        program_rows(sched, batch, slots) if programs else sched,
-        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
-        SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=BLOCK_N,
-        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
-        maxnreg=MAXNREG,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    launch_programs(_mla_decode_seesaw_t_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
+                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)
