@@ -44,7 +44,7 @@ def ws(split=True, dtype="bf16"):
 
     types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split, PREFETCH=W.PREFETCH)
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
@@ -57,8 +57,7 @@ def few(split=True, dtype="bf16", ranges=False):
 
     types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
     ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=F.MAX_ROWS, BLOCK_N=F.BLOCK_N,
-              NSTAGE=F.NSTAGE, RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges,
-              PREFETCH=F.PREFETCH)
+              NSTAGE=F.NSTAGE, RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
     return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
@@ -71,8 +70,7 @@ def seesaw_t(split=True, dtype="bf16", ranges=False, rows=32):
 
     types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
     ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=F.BLOCK_N,
-              RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges,
-              PREFETCH=T.PREFETCH)
+              RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
     return compile_kernel(T._mla_decode_seesaw_t_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 

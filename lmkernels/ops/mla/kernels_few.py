@@ -29,12 +29,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add, _prefetch_tile, _slot_chunk
+from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
 NSTAGE = 2  # 72 KB stages; with q, the exchange and o's staging buffers 190 KB at 16 rows
-PREFETCH = 0  # tiles ahead asked of L2 (_prefetch_tile; 0: none)
 MAX_ROWS = 16  # more rows take kernels_seesaw_t.py (or kernels_ws.py's 64-row blocks): at 32 rows (16 × 2) this
 # kernel was 1–7% slower than the 64-row blocks on the H200 (NOTES, issue 6, session af)
 
@@ -78,12 +77,10 @@ def _tiles(start, end, BLOCK: gl.constexpr):
 
 @gluon.jit
 def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr,
-            SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr,
-            PREFETCH: gl.constexpr):
+            SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr):
     """The program's pieces one after another, its t-th tile into stage t % NSTAGE (so the next piece's first tiles
     load while the consumers finish the last one's): the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces
-    of 32 (one for each consumer warpgroup), one barrier a stage. PREFETCH > 0: before waiting for a stage, the tile
-    PREFETCH tiles later in the piece is asked of L2 (_prefetch_tile)."""
+    of 32 (one for each consumer warpgroup), one barrier a stage."""
     STAGES: gl.constexpr = kc.shape[0]
     BLOCK: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
@@ -100,8 +97,6 @@ def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         for t in range(_tiles(start, end, BLOCK)):
             s = it % STAGES
-            if PREFETCH > 0:
-                _prefetch_tile(c_ptr, bt_row, start + (t + PREFETCH) * BLOCK, end, page_size, stride_cr, BLOCK)
             row0 = _tile_row(bt_row, start + t * BLOCK, end, page_size)
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers count as released
             bar = ready.index(s)
@@ -241,7 +236,6 @@ def _mla_decode_few_kernel(
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, RANGES: gl.constexpr = False,
     PROGRAM_ROW: gl.constexpr = 8, USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
-    PREFETCH: gl.constexpr = 0,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
@@ -284,7 +278,7 @@ def _mla_decode_few_kernel(
         (_consumer_default, args),
         (_consumer_worker, args),
         (_loader, (pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr, SPLIT,
-                   RANGES, SCHEDULE_ROW, LATE_TRIGGER, PREFETCH)),
+                   RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
 
@@ -314,4 +308,4 @@ def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, 
     """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
     (1, programs), a launch of programs (schedule.py)."""
     launch_programs(_mla_decode_few_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
-                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE, PREFETCH=PREFETCH)
+                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE)

@@ -29,22 +29,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_few import (MAXNREG, _load_q_half, _piece, _prefetch_tile, _program_pieces, _tiles, _zero_past_end,
-                          launch_programs)
+from .kernels_few import MAXNREG, _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, launch_programs
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
 from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
 
 MAX_ROWS = 32  # rows a program (fewer padded)
-PREFETCH = 0  # pairs of tiles ahead asked of L2 (kernels_few._prefetch_tile; 0: none)
 
 
 @gluon.jit
 def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr,
-            SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr,
-            PREFETCH: gl.constexpr):
+            SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr):
     """Each piece's tiles 2k into stage 0 and 2k + 1 into stage 1, in the order the consumers give the halves of a
-    stage back (kernels_ws._loader). n0 / n1: the tiles stage 0 / 1 has taken so far (their barriers' phases).
-    PREFETCH > 0: before waiting for the stages, the pair PREFETCH pairs later in the piece is asked of L2."""
+    stage back (kernels_ws._loader). n0 / n1: the tiles stage 0 / 1 has taken so far (their barriers' phases)."""
     BLOCK: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
@@ -58,9 +54,6 @@ def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page
         n_tiles = _tiles(start, end, BLOCK)
         for t in range((n_tiles + 1) // 2):
             key0 = start + 2 * t * BLOCK
-            if PREFETCH > 0:
-                for i in gl.static_range(2):
-                    _prefetch_tile(c_ptr, bt_row, key0 + (2 * PREFETCH + i) * BLOCK, end, page_size, stride_cr, BLOCK)
             row0 = _tile_row(bt_row, key0, end, page_size)
             ph = (n0 & 1) ^ 1  # fresh barriers count as released
             mbarrier.wait(empty.index(0), ph)  # stage 0, warpgroup 0's columns
@@ -249,7 +242,7 @@ def _mla_decode_seesaw_t_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, RANGES: gl.constexpr = False, PROGRAM_ROW: gl.constexpr = 8,
-    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names, one after another in one pipeline (kernels_few.py)."""
@@ -285,7 +278,7 @@ def _mla_decode_seesaw_t_kernel(
         (_consumer_default, args),
         (_consumer_worker, args),
         (_loader, (pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr, SPLIT,
-                   RANGES, SCHEDULE_ROW, LATE_TRIGGER, PREFETCH)),
+                   RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
 
@@ -294,4 +287,4 @@ def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, par
     """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
     over (1, programs), a launch of programs (schedule.py)."""
     launch_programs(_mla_decode_seesaw_t_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
-                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows, PREFETCH=PREFETCH)
+                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)

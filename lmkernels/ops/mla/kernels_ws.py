@@ -40,7 +40,6 @@ BLOCK_M = 64
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
-PREFETCH = 0  # pairs of tiles ahead asked of L2 (_prefetch_tile; 0: none)
 
 
 @gluon.jit
@@ -106,27 +105,12 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 
 @gluon.jit
-def _prefetch_tile(c_ptr, bt_row, key, end, page_size, stride_cr, BLOCK: gl.constexpr):
-    """Ask L2 for the tile of keys [key, key + BLOCK) (its BLOCK cache rows are contiguous: pages hold whole tiles)
-    by one bulk prefetch from one lane, so that its TMA load, issued once a stage comes back, finds it there: more
-    bytes on their way from DRAM than the two stages hold. Nothing where key ≥ end."""
-    if key < end:
-        row = gl.load(bt_row + key // page_size).to(gl.int32) * page_size + key % page_size
-        nbytes = BLOCK * stride_cr * (c_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        gl.inline_asm_elementwise(
-            "{ .reg .b32 lane; .reg .pred p; mov.u32 lane, %laneid; setp.eq.u32 p, lane, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [c_ptr + row.to(gl.int64) * stride_cr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, PREFETCH: gl.constexpr = 0):
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
-    empty[2 s + 1]: other. PREFETCH > 0: before waiting for the stages, the pair PREFETCH pairs later is asked of
-    L2 (_prefetch_tile)."""
+    empty[2 s + 1]: other."""
     BLOCK_N: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
@@ -139,9 +123,6 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
     for k in range((n_tiles + 1) // 2):
         ph = (k & 1) ^ 1  # fresh barriers count as released
         n0 = start + 2 * k * BLOCK_N
-        if PREFETCH > 0:
-            for i in gl.static_range(2):
-                _prefetch_tile(c_ptr, bt_row, n0 + (2 * PREFETCH + i) * BLOCK_N, end, page_size, stride_cr, BLOCK_N)
         row0 = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
         mbarrier.wait(empty.index(0), ph)  # stage 0 own: columns 0–255 (warpgroup 0's P · V)
         for j in gl.static_range(4):
@@ -405,7 +386,7 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -431,7 +412,7 @@ def _mla_decode_ws_kernel(
         (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, PREFETCH)),
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -470,7 +451,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, PREFETCH=PREFETCH, num_warps=4,
-        maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
