@@ -28,9 +28,19 @@ def decode(rows, cache="bf16", split=True, cfg=None):
     return compile_kernel(K._mla_decode_kernel, types, ce, nw, ns)
 
 
+def _desc(dtype, cols):
+    """The type of kernels_ws.cache_descriptor's TMA descriptor (tiles of 64 keys × cols)."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * cols), element_bitwidth=16, rank=2)
+    return f"tensordesc<{dtype}[64, {cols}],{layout!r}>"
+
+
 def _bf16_cache_types(dtype):
-    """The argument types of the Gluon kernels over a 16-bit cache (kernels_ws.py, kernels_few.py)."""
-    return dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, bt_ptr="*i32", len_ptr="*i32",
+    """The argument types of the Gluon kernels over a 16-bit cache (kernels_ws.py, kernels_few.py,
+    kernels_seesaw_t.py)."""
+    return dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_desc=_desc(dtype, 64), pe_desc=_desc(dtype, 32),
+                bt_ptr="*i32", len_ptr="*i32",
                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
                 qk_scale="fp32")
 

@@ -29,10 +29,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add, _slot_chunk
+from .kernels_ws import _add, _slot_chunk, cache_descriptor
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
+ROPE_HALF = 32  # each consumer warpgroup's k_pe columns (a TMA piece of its own)
 NSTAGE = 2  # 72 KB stages; with q, the exchange and o's staging buffers 190 KB at 16 rows
 MAX_ROWS = 16  # more rows take kernels_seesaw_t.py (or kernels_ws.py's 64-row blocks): at 32 rows (16 × 2) this
 # kernel was 1–7% slower than the 64-row blocks on the H200 (NOTES, issue 6, session af)
@@ -76,7 +77,7 @@ def _tiles(start, end, BLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr,
+def _loader(pieces, desc, desc_pe, bt_ptr, stride_bt, kc, kp, ready, empty, page_size,
             SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr):
     """The program's pieces one after another, its t-th tile into stage t % NSTAGE (so the next piece's first tiles
     load while the consumers finish the last one's): the 512 c_kv columns as 8 pieces of 64, then k_pe as two pieces
@@ -87,10 +88,6 @@ def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page
     PE_HALF: gl.constexpr = kp.shape[2]
     PIECE: gl.constexpr = 64
     BYTES: gl.constexpr = BLOCK * (KV_LORA + 2 * PE_HALF) * 2
-    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK, PIECE],
-                                      kc.layout)
-    desc_pe = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + 2 * PE_HALF], [stride_cr, 1], [BLOCK, PE_HALF],
-                                         kp.layout)
     it = 0  # tiles so far, over the pieces
     for k in range(pieces[4]):
         slot, seq, seq_len, start, end, direct = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
@@ -230,9 +227,9 @@ def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.c
 
 @gluon.jit
 def _mla_decode_few_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
-    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale,
+    qn_ptr, qp_ptr, c_desc, pe_desc, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_bt,
+    n_new, heads, page_size, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, RANGES: gl.constexpr = False,
     PROGRAM_ROW: gl.constexpr = 8, USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
@@ -247,7 +244,7 @@ def _mla_decode_few_kernel(
     pieces = _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW)
     if pieces[4] == 0:
         return
-    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    dtype: gl.constexpr = c_desc.dtype
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     narrow: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=ROPE, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -277,7 +274,7 @@ def _mla_decode_few_kernel(
     gl.warp_specialize([
         (_consumer_default, args),
         (_consumer_worker, args),
-        (_loader, (pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr, SPLIT,
+        (_loader, (pieces, c_desc, pe_desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size, SPLIT,
                    RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
@@ -285,17 +282,16 @@ def _mla_decode_few_kernel(
 MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the consumers get 240, the loader 24
 
 
-def launch_programs(kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale,
-                    slots, pdl, merge_pdl, programs, **constexprs):
-    """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too) over (1, slots), one
-    chunk a program, or over (1, programs), a launch of programs (programs > 0: schedule.py); constexprs: the rows
-    and the kernel's own."""
+def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+                    qk_scale, slots, pdl, merge_pdl, programs, **constexprs):
+    """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too; descs: its cache
+    descriptors) over (1, slots), one chunk a program, or over (1, programs), a launch of programs (programs > 0:
+    schedule.py); constexprs: the rows and the kernel's own."""
     batch, n_new, heads, _ = q_nope.shape
     kernel[(1, programs or slots)](
-        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        q_nope, q_pe, *descs, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
-        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,
         SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_N=BLOCK_N,
         RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
         maxnreg=MAXNREG, **constexprs,
@@ -307,5 +303,6 @@ def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, 
                    pdl=False, merge_pdl=False, programs=0):
     """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
     (1, programs), a launch of programs (schedule.py)."""
-    launch_programs(_mla_decode_few_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
-                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE)
+    descs = (cache_descriptor(cache), cache_descriptor(cache, ROPE_HALF))
+    launch_programs(_mla_decode_few_kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o,
+                    part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE)

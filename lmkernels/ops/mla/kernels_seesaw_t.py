@@ -31,21 +31,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_few import MAXNREG, _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, launch_programs
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
-from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
+from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers, cache_descriptor
 
 MAX_ROWS = 32  # rows a program (fewer padded)
 
 
 @gluon.jit
-def _loader(pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr,
+def _loader(pieces, desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size,
             SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, LATE_TRIGGER: gl.constexpr):
     """Each piece's tiles 2k into stage 0 and 2k + 1 into stage 1, in the order the consumers give the halves of a
     stage back (kernels_ws._loader). n0 / n1: the tiles stage 0 / 1 has taken so far (their barriers' phases)."""
     BLOCK: gl.constexpr = kc.shape[1]
-    KV_LORA: gl.constexpr = kc.shape[2]
-    ROPE: gl.constexpr = kp.shape[2]
-    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK, 64], kp.layout)
-    nbytes: gl.constexpr = BLOCK * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
+    nbytes: gl.constexpr = BLOCK * 64 * kc.dtype.primitive_bitwidth // 8
     n0 = 0
     n1 = 0
     for k in range(pieces[4]):
@@ -237,9 +234,9 @@ def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.c
 
 @gluon.jit
 def _mla_decode_seesaw_t_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
-    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale,
+    qn_ptr, qp_ptr, c_desc, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_bt,
+    n_new, heads, page_size, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, RANGES: gl.constexpr = False, PROGRAM_ROW: gl.constexpr = 8,
     USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
@@ -253,7 +250,7 @@ def _mla_decode_seesaw_t_kernel(
     pieces = _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW)
     if pieces[4] == 0:
         return
-    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    dtype: gl.constexpr = c_desc.dtype
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     flat1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -277,7 +274,7 @@ def _mla_decode_seesaw_t_kernel(
     gl.warp_specialize([
         (_consumer_default, args),
         (_consumer_worker, args),
-        (_loader, (pieces, c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, n_rows, page_size, stride_cr, SPLIT,
+        (_loader, (pieces, c_desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size, SPLIT,
                    RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
@@ -286,5 +283,5 @@ def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, par
                         pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS):
     """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
     over (1, programs), a launch of programs (schedule.py)."""
-    launch_programs(_mla_decode_seesaw_t_kernel, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l,
-                    sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)
+    launch_programs(_mla_decode_seesaw_t_kernel, (cache_descriptor(cache),), q_nope, q_pe, cache, block_tables,
+                    seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)
