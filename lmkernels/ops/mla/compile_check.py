@@ -29,7 +29,7 @@ def decode(rows, cache="bf16", split=True, cfg=None):
 
 
 def _desc(dtype, cols):
-    """The type of kernels_ws.cache_descriptor's TMA descriptor (tiles of 64 keys × cols)."""
+    """The type of kernels_few.cache_descriptor's TMA descriptor (tiles of 64 keys × cols)."""
     from triton.experimental.gluon import language as gl
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * cols), element_bitwidth=16, rank=2)
@@ -38,9 +38,9 @@ def _desc(dtype, cols):
 
 def _bf16_cache_types(dtype):
     """The argument types of the Gluon kernels over a 16-bit cache (kernels_ws.py, kernels_few.py,
-    kernels_seesaw_t.py)."""
-    return dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_desc=_desc(dtype, 64), pe_desc=_desc(dtype, 32),
-                bt_ptr="*i32", len_ptr="*i32",
+    kernels_seesaw_t.py: the last two take the cache as kernels_few.cache_descriptor's descriptors)."""
+    return dict(qn_ptr="*" + dtype, qp_ptr="*" + dtype, c_ptr="*" + dtype, c_desc=_desc(dtype, 64),
+                pe_desc=_desc(dtype, 32), bt_ptr="*i32", len_ptr="*i32",
                 o_ptr="*" + dtype, lse_ptr="*fp32", po_ptr="*" + dtype, pl_ptr="*fp32", sched_ptr="*i32",
                 qk_scale="fp32")
 

@@ -26,10 +26,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add, _slot_chunk, cache_descriptor
+from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -280,6 +281,18 @@ def _mla_decode_few_kernel(
 
 
 MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the consumers get 240, the loader 24
+
+
+def cache_descriptor(cache, cols=64):
+    """A TMA descriptor of the cache's rows [pages · page_size, 576] for tiles of BLOCK_N keys × `cols` columns (the
+    kernels' shared-memory layout: 128-byte swizzle, or cols · 2 bytes where narrower), made on the host and passed
+    by value. Made in the loader (a 128-byte write to global memory and a proxy fence) it held each program's first
+    load back 1 µs: 16 heads −0.5 to −4.9% a call, 16 × 2 −0.5 to −1.1%; kernels_ws.py keeps its own, since on the
+    host it was 1–2.6% slower at 128 heads (NOTES, issue 6, session ai)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, cols * cache.element_size()),
+                                  element_bitwidth=8 * cache.element_size(), rank=2)
+    return TensorDescriptor(cache, [cache.shape[0] * cache.shape[1], cache.shape[2]], [cache.stride(1), 1],
+                            [BLOCK_N, cols], layout)
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,

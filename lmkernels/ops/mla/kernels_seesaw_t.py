@@ -25,13 +25,14 @@ cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares this ker
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_few import MAXNREG, _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, launch_programs
+from .kernels_few import (_load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, cache_descriptor,
+                          launch_programs)
 from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
-from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers, cache_descriptor
+from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
 
 MAX_ROWS = 32  # rows a program (fewer padded)
 

@@ -32,7 +32,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .schedule import ROW
@@ -106,14 +105,17 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 
 @gluon.jit
-def _loader(desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, page_size,
+def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
             LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
     empty[2 s + 1]: other."""
     BLOCK_N: gl.constexpr = kc.shape[1]
-    nbytes: gl.constexpr = BLOCK_N * 64 * kc.dtype.primitive_bitwidth // 8
+    KV_LORA: gl.constexpr = kc.shape[2]
+    ROPE: gl.constexpr = kp.shape[2]
+    desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
+    nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
     sched_ptr, len_ptr = slot_args
     seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
     n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)  # a spare slot: none
@@ -379,9 +381,9 @@ def _seesaw_barriers():
 
 @gluon.jit
 def _mla_decode_ws_kernel(
-    qn_ptr, qp_ptr, c_desc, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
-    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_bt,
-    n_new, heads, page_size, qk_scale,
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
+    stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
+    n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
     LATE_TRIGGER: gl.constexpr = False,
@@ -390,7 +392,7 @@ def _mla_decode_ws_kernel(
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
-    dtype: gl.constexpr = c_desc.dtype
+    dtype: gl.constexpr = c_ptr.dtype.element_ty
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA], wide)
@@ -409,7 +411,7 @@ def _mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
-        (_loader, (c_desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, page_size,
+        (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
                    LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -437,17 +439,6 @@ def supported(cache):
             and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
-def cache_descriptor(cache, cols=64):
-    """A TMA descriptor of the cache's rows [pages · page_size, 576] for tiles of BLOCK_N keys × `cols` columns (the
-    kernels' shared-memory layout: 128-byte swizzle, or cols · 2 bytes where narrower), made on the host and passed
-    by value: made in the kernel (a 128-byte write to global memory and a proxy fence), it held each program's first
-    load back ~1 µs (NOTES, issue 6, session ai)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, cols * cache.element_size()),
-                                  element_bitwidth=8 * cache.element_size(), rank=2)
-    return TensorDescriptor(cache, [cache.shape[0] * cache.shape[1], cache.shape[2]], [cache.stride(1), 1],
-                            [BLOCK_N, cols], layout)
-
-
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                   pdl=False, merge_pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
@@ -456,8 +447,9 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     _mla_decode_ws_kernel[(m_blocks, slots)](
-        q_nope, q_pe, cache_descriptor(cache), block_tables, seq_lens, o, lse, part_o, part_l, sched,
-        *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,
+        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
+        *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
