@@ -285,6 +285,22 @@ def test_few_rows_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_host_cache_descriptors_match_the_kernels_stages(dtype):
+    """The few-rows and transposed-seesaw kernels get the cache as TMA descriptors made on the host
+    (kernels_few.cache_descriptor): all of the cache's rows, 64-key tiles of 64 columns in the stages' 128-byte
+    swizzle, and (few-rows) k_pe halves of 32 columns in its 64-byte one; a mismatch would only show on the GPU."""
+    from triton.experimental.gluon import language as gl
+
+    cache = torch.empty(5, 128, 576, dtype=dtype)
+    for cols, swizzle in ((64, 128), (kernels_few.ROPE_HALF, 64)):
+        d = kernels_few.cache_descriptor(cache, cols)
+        assert d.base is cache and list(d.shape) == [5 * 128, 576] and list(d.strides) == [576, 1]
+        assert list(d.block_shape) == [kernels_few.BLOCK_N, cols]
+        assert d.layout == gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+
+
+@pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_transposed_seesaw_kernel_compiles_for_hopper():
     """The transposed-seesaw Gluon kernel (32 and 16 rows; GPU-checked by `lmkernels check`) builds for sm_90, one
     chunk a program and over a launch of programs: each warpgroup scores its stage's tiles over all 576 columns (36
