@@ -284,15 +284,19 @@ MAXNREG = 168  # as kernels_ws: 12 warps × 168 fill the register file; the cons
 
 
 def cache_descriptor(cache, cols=64):
-    """A TMA descriptor of the cache's rows [pages · page_size, 576] for tiles of BLOCK_N keys × `cols` columns (the
-    kernels' shared-memory layout: 128-byte swizzle, or cols · 2 bytes where narrower), made on the host and passed
-    by value. Made in the loader (a 128-byte write to global memory and a proxy fence) it held each program's first
-    load back 1 µs: 16 heads −0.5 to −4.9% a call, 16 × 2 −0.5 to −1.1%; kernels_ws.py keeps its own, since on the
-    host it was 1–2.6% slower at 128 heads (NOTES, issue 6, session ai)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, cols * cache.element_size()),
-                                  element_bitwidth=8 * cache.element_size(), rank=2)
+    """A TMA descriptor of the 16-bit cache's rows [pages · page_size, 576] for tiles of BLOCK_N keys × `cols` (64 or
+    ROPE_HALF) columns in the stages' layout (a swizzle of cols · 2 bytes), made on the host and passed by value.
+    Made in the loader (a 128-byte write to global memory and a proxy fence) it held each program's first load back
+    1 µs: 16 heads −0.5 to −4.9% a call, 16 × 2 −0.5 to −1.1%; kernels_ws.py keeps its own, since on the host it
+    was 1–2.6% slower at 128 heads (NOTES, issue 6, session ai)."""
     return TensorDescriptor(cache, [cache.shape[0] * cache.shape[1], cache.shape[2]], [cache.stride(1), 1],
-                            [BLOCK_N, cols], layout)
+                            [BLOCK_N, cols], _PIECE_LAYOUTS[cols])
+
+
+# the stages' layouts of a 64-column piece and of a k_pe half (16-bit values), made once: each takes ~8 µs of host
+# time to build, four times a TensorDescriptor's
+_PIECE_LAYOUTS = {cols: gl.NVMMASharedLayout(swizzle_byte_width=2 * cols, element_bitwidth=16, rank=2)
+                  for cols in (64, ROPE_HALF)}
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
