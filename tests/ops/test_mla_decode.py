@@ -279,7 +279,8 @@ def test_few_rows_kernel_compiles_for_hopper():
     k_pe (16 + 2 wgmma of K = 16) and multiplies Pᵀ by its 256 columns (4 m64 blocks × 4 key steps); 8 TMA messages
     of 64 columns and 2 k_pe halves a stage; one SM's shared memory, no spills."""
     C = "lmkernels.ops.mla.compile_check"
-    for r in compile_in_fresh_process(f"[{C}.few(True, 'bf16'), {C}.few(False, 'fp16'), {C}.few(ranges=True)]"):
+    for r in compile_in_fresh_process(f"[{C}.few(True, 'bf16'), {C}.few(False, 'fp16'), {C}.few(ranges=True), "
+                                      f"{C}.few(ranges=True, fused=True)]"):
         assert r["wgmma"] == 2 * (16 + 2 + 16) and r["tma"] == 8 + 2 and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] == 0, r
 
@@ -309,7 +310,8 @@ def test_transposed_seesaw_kernel_compiles_for_hopper():
     out of the loop preheader)."""
     C = "lmkernels.ops.mla.compile_check"
     for r in compile_in_fresh_process(f"[{C}.seesaw_t(True, 'bf16'), {C}.seesaw_t(False, 'fp16'), "
-                                      f"{C}.seesaw_t(ranges=True), {C}.seesaw_t(ranges=True, rows=16)]"):
+                                      f"{C}.seesaw_t(ranges=True), {C}.seesaw_t(ranges=True, rows=16), "
+                                      f"{C}.seesaw_t(ranges=True, fused=True)]"):
         assert r["wgmma"] == 2 * (36 + 2 * 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] == 0, r
 
@@ -579,9 +581,9 @@ def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: dram)
     monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: None)
     calls = []
-    monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs: calls.append(("few", programs)))
-    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", lambda *a, programs: calls.append(("seesaw_t",
-                                                                                                     programs)))
+    monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs, counters: calls.append(("few", programs)))
+    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t",
+                        lambda *a, programs, counters: calls.append(("seesaw_t", programs)))
     monkeypatch.setattr(kernels_ws, "mla_decode_ws", lambda *a: calls.append(("ws", 0)))
     monkeypatch.setattr(kernels, "_mla_decode_kernel", None)  # the Triton kernel: not launched here
     cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
@@ -598,6 +600,44 @@ def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
         kernels.mla_decode(q_nope, q_pe, cache, None, tables, lens, SCALE, 0, 8192)
         assert calls[-1][1] == plan.programs and (plan.programs > 0) == (calls[-1][0] != "ws"), (n_new, heads, plan)
     assert [name for name, _ in calls] == want
+
+
+@pytest.mark.parametrize("heads,n_new", [(16, 1), (16, 2)])
+def test_gluon_launches_of_programs_merge_in_the_kernel_at_short_contexts(monkeypatch, heads, n_new):
+    """On a fast-DRAM Hopper the few-rows kernel (16 rows) and the transposed seesaw (32) merge a sequence's pieces in
+    the kernel (zeroed counters passed, two a sequence; no merge kernel after them) where the plan's chunks and ranges
+    cannot cut a sequence into more than GLUON_FUSED_MAX_CHUNKS pieces (max_seqlen_k ≤ 1k), and leave them to the
+    merge kernel beyond (8k). The bound itself: schedule.program_split (the schedule kernel's plain-Python twin,
+    test_program_schedule) on the 1k plans never cuts a sequence of skewed batches into more pieces."""
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
+    monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
+    merges, launches = [], []
+    monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: merges.append(a))
+    launch = lambda *a, programs, counters: launches.append(counters)  # noqa: E731
+    monkeypatch.setattr(kernels_few, "mla_decode_few", launch)
+    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", launch)
+    cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    for batch, ctx, fused in ((128, 1024, True), (32, 1024, True), (100, 700, True), (32, 8192, False)):
+        tables = torch.arange(128, dtype=torch.int32).repeat(batch, 1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        q_nope = torch.zeros(batch, n_new, heads, 512, dtype=torch.bfloat16)
+        q_pe = torch.zeros(batch, n_new, heads, 64, dtype=torch.bfloat16)
+        plan = kernels.decode_plan((batch, n_new, heads), cache, ctx)
+        assert plan.programs > 0, plan
+        merges.clear()
+        kernels.mla_decode(q_nope, q_pe, cache, None, tables, lens, SCALE, 0, ctx)
+        counters = launches[-1]
+        assert (counters is not None) == fused and (not merges) == fused, (batch, ctx)
+        if fused:
+            assert counters.dtype == torch.int32 and counters.numel() >= 2 * batch and not counters.any()
+            for _ in range(20):  # skewed batches up to ctx: one long sequence among short ones, and random
+                skewed = torch.randint(1, ctx + 1, (batch,), generator=g)
+                skewed[torch.randint(batch, (1,), generator=g)] = ctx
+                _, _, spans, _ = schedule.program_split(skewed.tolist(), 64, plan.programs, plan.min_tiles, plan.wave)
+                assert max(n for _, n in spans) <= kernels.GLUON_FUSED_MAX_CHUNKS, (batch, ctx, skewed.tolist())
 
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):

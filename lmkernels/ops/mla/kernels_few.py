@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add, _slot_chunk
+from .kernels_ws import _add
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -41,35 +41,43 @@ MAX_ROWS = 16  # more rows take kernels_seesaw_t.py (or kernels_ws.py's 64-row b
 
 
 @gluon.jit
-def _piece(pieces, k, SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
-    """(slot, sequence, its length, first key, end key, direct) of the program's piece k. RANGES: slot first + k,
-    its row of the schedule (the first's copied into the program's row: one dependent load less before the first
-    tile); else the program's slot (kernels_ws._slot_chunk)."""
-    sched_ptr, len_ptr, prow, first, count = pieces
-    slot = first + k
-    if RANGES:
+def _slot_row(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    """(sequence, its length, first key, end key, its chunk count, its first chunk's slot) of a slot: its row of the
+    schedule (SPLIT; sequence < 0: a spare slot), else the whole sequence `slot`; the loads in one round."""
+    if SPLIT:
         row = sched_ptr + slot * SCHEDULE_ROW
-        if k == 0:
-            row = prow + 2
-        return slot, gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4) == 1
-    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
-    return slot, seq, seq_len, start, end, direct
+        return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5)
+    seq_len = gl.load(len_ptr + slot).to(gl.int32)
+    return slot, seq_len, 0, seq_len, 1, slot
 
 
 @gluon.jit
 def _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT: gl.constexpr, RANGES: gl.constexpr,
                     SCHEDULE_ROW: gl.constexpr, PROGRAM_ROW: gl.constexpr):
-    """The pieces of this program (_piece's first argument): RANGES, the slots its row of prog_ptr names (its first
-    slot, its slot count, that slot's row); else its own slot, none where it is a spare one (sequence −1)."""
+    """The pieces of this program (_piece's first argument): (sched_ptr, len_ptr, its first slot, its slot count,
+    that slot's row), all loaded in one round. RANGES: its row of prog_ptr names them (the first slot's row copied
+    into it, so that the loader's first tile waits for one round of loads before its page-table read, not two);
+    else its own slot, none where it is a spare one (sequence −1)."""
     p = gl.program_id(1)
-    prow = prog_ptr + p * PROGRAM_ROW
     if RANGES:
-        first = gl.load(prow)
-        count = gl.load(prow + 1)
-    else:
-        first = p
-        count = (_slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)[0] >= 0).to(gl.int32)
-    return sched_ptr, len_ptr, prow, first, count
+        prow = prog_ptr + p * PROGRAM_ROW
+        row0 = (gl.load(prow + 2), gl.load(prow + 3), gl.load(prow + 4), gl.load(prow + 5), gl.load(prow + 6),
+                gl.load(prow + 7))
+        return sched_ptr, len_ptr, gl.load(prow), gl.load(prow + 1), row0
+    row0 = _slot_row(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)
+    return sched_ptr, len_ptr, p, (row0[0] >= 0).to(gl.int32), row0
+
+
+@gluon.jit
+def _piece(pieces, k, SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    """(slot, sequence, its length, first key, end key, its chunk count, its first chunk's slot) of the program's
+    piece k: the first as _program_pieces loaded it, a later one (RANGES) from its slot's row."""
+    sched_ptr, len_ptr, first, count, row0 = pieces
+    seq, seq_len, start, end, n, first_chunk = row0
+    if RANGES:
+        if k > 0:
+            seq, seq_len, start, end, n, first_chunk = _slot_row(sched_ptr, len_ptr, first + k, SPLIT, SCHEDULE_ROW)
+    return first + k, seq, seq_len, start, end, n, first_chunk
 
 
 @gluon.jit
@@ -90,8 +98,8 @@ def _loader(pieces, desc, desc_pe, bt_ptr, stride_bt, kc, kp, ready, empty, page
     PIECE: gl.constexpr = 64
     BYTES: gl.constexpr = BLOCK * (KV_LORA + 2 * PE_HALF) * 2
     it = 0  # tiles so far, over the pieces
-    for k in range(pieces[4]):
-        slot, seq, seq_len, start, end, direct = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+    for k in range(pieces[3]):
+        slot, seq, seq_len, start, end, n, first_chunk = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         for t in range(_tiles(start, end, BLOCK)):
             s = it % STAGES
@@ -141,7 +149,7 @@ def _zero_past_end(kc_half, valid):
 
 @gluon.jit
 def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
     """Warpgroup HALF_IDX, for each of the program's pieces: scores over its columns, the other's added through shared
     memory, the softmax, and its half of Oᵀ (module docstring)."""
     q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, staging = smem
@@ -160,8 +168,8 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.const
     s_zero = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)
     rows = n_new * heads
     it = 0  # tiles so far, over the pieces (the loader's count)
-    for k in range(pieces[4]):
-        slot, seq, seq_len, start, end, direct = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+    for k in range(pieces[3]):
+        slot, seq, seq_len, start, end, n, first_chunk = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         b64 = seq.to(gl.int64)
         # its own half of q: the last piece's wgmmas that read it are waited for
         _load_q_half(q_args, b64, 0, q_buf.index(0), qp_buf.index(HALF_IDX), HALF_IDX)
@@ -173,10 +181,74 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.const
                                          _tiles(start, end, BLOCK), start, end, pos, offs_n, scale, s_zero, m_i, l_k,
                                          acc, HALF_IDX)
         l_i = gl.reduce(l_k, 0, _add)
-        c_acc = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
-        o_ptr, lse_ptr, po_ptr, pl_ptr = out_args
-        _epilogue(acc, m_i, l_i, c_acc, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, direct),
-                  0, rows, staging.index(HALF_IDX), HALF_IDX * HALF, KV_LORA, HALF_IDX == 0)
+        _finish_piece(acc, m_i, l_i, out_args, (slot, b64, n, first_chunk), rows, staging.index(HALF_IDX), HALF_IDX,
+                      FUSED)
+
+
+@gluon.jit
+def _finish_piece(acc, m_i, l_i, out_args, piece, rows, buf, HALF_IDX: gl.constexpr, FUSED: gl.constexpr):
+    """This warpgroup's half of a piece's o (Oᵀ in acc) and its LSE out (kernels_fp8._epilogue): the final output
+    where the piece is its sequence's only one, else a partial. FUSED: then the last of the sequence's pieces to
+    finish merges them (_merge_if_last); both warpgroups store the LSE there (the same values: each merges its
+    columns by the LSE its counterparts of the other pieces stored), else warpgroup 0 alone."""
+    o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
+    slot, b64, n, first_chunk = piece
+    COLS: gl.constexpr = acc.shape[0]
+    ones = gl.full(m_i.shape, 1.0, gl.float32, layout=m_i.type.layout)
+    _epilogue(acc, m_i, l_i, ones, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, n == 1), 0,
+              rows, buf, HALF_IDX * COLS, 2 * COLS, HALF_IDX == 0 or FUSED)
+    if FUSED:
+        if n > 1:
+            _merge_if_last(out_args, b64, n, first_chunk, rows, acc.shape[1], HALF_IDX * COLS, COLS, HALF_IDX)
+
+
+@gluon.jit
+def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0, COLS: gl.constexpr,
+                   HALF_IDX: gl.constexpr):
+    """The in-kernel merge: this warpgroup counts its half of the piece's partial in on the sequence's counter of that
+    half (cnt_ptr[2 · sequence + half]); the last of the sequence's n pieces to arrive adds the n partials' columns
+    [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
+    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs: behind a
+    uniform batch that cuts no sequence it cost ~1.3 µs a call (NOTES, issue 6, session ai)."""
+    o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
+    KV_LORA: gl.constexpr = 2 * COLS
+    ROUND: gl.constexpr = 4 if ROWS <= 16 else 1  # partials a round (32 values a thread each at 16 rows; 2 of
+    # 64 at 32 rows spilled in the transposed seesaw)
+    gl.thread_barrier()  # the warpgroup's partial is all stored before its count (the atomic releases it) …
+    counter = cnt_ptr + 2 * b64 + HALF_IDX
+    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:  # … and the last reads the others' after it
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        row_ok = r < rows
+        part = first_chunk.to(gl.int64) * rows + r  # row r of the first partial; partial j is j · rows rows on
+        m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        total = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, layout))
+        out = gl.zeros([ROWS, COLS], gl.float32, layout=layout)
+        for j0 in range(0, n, ROUND):
+            for j in gl.static_range(ROUND):
+                ok = row_ok & (j0 + j < n)
+                pj = part + (j0 + j) * rows
+                # L2, not L1: other SMs wrote these in this launch
+                lse_j = gl.load(pl_ptr + pj, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                o_j = gl.load(po_ptr + pj[:, None] * KV_LORA + c[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                m_new = gl.maximum(m, lse_j)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp(m - m_safe)
+                w = gl.exp(lse_j - m_safe)
+                total = total * alpha + w
+                out = out * alpha[:, None] + o_j.to(gl.float32) * w[:, None]
+                m = m_new
+        empty_rows = total == 0.0
+        t_safe = gl.where(empty_rows, 1.0, total)
+        final = b64 * rows + r
+        gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :], (out / t_safe[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        if HALF_IDX == 0:
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            gl.store(lse_ptr + final, gl.where(empty_rows, float("-inf"), m_safe + gl.log(t_safe)), mask=row_ok)
+        gl.store(counter, 0)
 
 
 @gluon.jit
@@ -216,34 +288,36 @@ def _piece_tiles(q_buf, qp_buf, kc_st, kp_st, pt_buf, sx, ready, empty, x_full, 
 
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                      SCHEDULE_ROW: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW)
+                      SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW, FUSED)
 
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                     SCHEDULE_ROW: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW)
+                     SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW, FUSED)
 
 
 @gluon.jit
 def _mla_decode_few_kernel(
     qn_ptr, qp_ptr, c_desc, pe_desc, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_bt,
-    n_new, heads, page_size, qk_scale,
+    n_new, heads, page_size, qk_scale, cnt_ptr,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, RANGES: gl.constexpr = False,
     PROGRAM_ROW: gl.constexpr = 8, USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
+    FUSED: gl.constexpr = False,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
-    after another in one pipeline."""
+    after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_merge_if_last; cnt_ptr
+    the zeroed counters, two a sequence), else in the merge kernel after this one."""
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
         if not LATE_TRIGGER:
             gdc_launch_dependents()
     pieces = _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW)
-    if pieces[4] == 0:
+    if pieces[3] == 0:
         return
     dtype: gl.constexpr = c_desc.dtype
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -271,10 +345,11 @@ def _mla_decode_few_kernel(
     q_args = (qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     smem = (q_smem, qp_smem, kc, kp, pt, sx, staging)
     bars = (ready, empty, x_full, x_free)
-    args = (q_args, smem, bars, (o_ptr, lse_ptr, po_ptr, pl_ptr), pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr)
+    # the constexprs written into each partition's tuple: a tuple assigned to a name holds them as runtime values
     gl.warp_specialize([
-        (_consumer_default, args),
-        (_consumer_worker, args),
+        (_consumer_default, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW, FUSED)),
+        (_consumer_worker, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW, FUSED)),
         (_loader, (pieces, c_desc, pe_desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size, SPLIT,
                    RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
@@ -300,26 +375,28 @@ _PIECE_LAYOUTS = {cols: gl.NVMMASharedLayout(swizzle_byte_width=2 * cols, elemen
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-                    qk_scale, slots, pdl, merge_pdl, programs, **constexprs):
+                    qk_scale, slots, pdl, merge_pdl, programs, counters=None, **constexprs):
     """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too; descs: its cache
     descriptors) over (1, slots), one chunk a program, or over (1, programs), a launch of programs (programs > 0:
-    schedule.py); constexprs: the rows and the kernel's own."""
+    schedule.py); counters: zeroed int32, two a sequence, for the in-kernel merge (FUSED; None: the merge kernel
+    after this one merges); constexprs: the rows and the kernel's own."""
     batch, n_new, heads, _ = q_nope.shape
     kernel[(1, programs or slots)](
         q_nope, q_pe, *descs, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,
+        sched if counters is None else counters,
         SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_N=BLOCK_N,
-        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
-        maxnreg=MAXNREG, **constexprs,
+        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, FUSED=counters is not None,
+        num_warps=4, maxnreg=MAXNREG, **constexprs,
         **({"launch_pdl": True} if pdl else {}),
     )
 
 
 def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                   pdl=False, merge_pdl=False, programs=0):
+                   pdl=False, merge_pdl=False, programs=0, counters=None):
     """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
-    (1, programs), a launch of programs (schedule.py)."""
+    (1, programs), a launch of programs (schedule.py); counters: launch_programs's."""
     descs = (cache_descriptor(cache), cache_descriptor(cache, ROPE_HALF))
     launch_programs(_mla_decode_few_kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o,
-                    part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE)
+                    part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, counters, ROWS=16, NSTAGE=NSTAGE)
