@@ -310,8 +310,7 @@ def test_transposed_seesaw_kernel_compiles_for_hopper():
     out of the loop preheader)."""
     C = "lmkernels.ops.mla.compile_check"
     for r in compile_in_fresh_process(f"[{C}.seesaw_t(True, 'bf16'), {C}.seesaw_t(False, 'fp16'), "
-                                      f"{C}.seesaw_t(ranges=True), {C}.seesaw_t(ranges=True, rows=16), "
-                                      f"{C}.seesaw_t(ranges=True, fused=True)]"):
+                                      f"{C}.seesaw_t(ranges=True), {C}.seesaw_t(ranges=True, rows=16)]"):
         assert r["wgmma"] == 2 * (36 + 2 * 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] == 0, r
 
@@ -582,8 +581,8 @@ def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
     monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: None)
     calls = []
     monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs, counters: calls.append(("few", programs)))
-    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t",
-                        lambda *a, programs, counters: calls.append(("seesaw_t", programs)))
+    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", lambda *a, programs: calls.append(("seesaw_t",
+                                                                                                     programs)))
     monkeypatch.setattr(kernels_ws, "mla_decode_ws", lambda *a: calls.append(("ws", 0)))
     monkeypatch.setattr(kernels, "_mla_decode_kernel", None)  # the Triton kernel: not launched here
     cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
@@ -602,22 +601,22 @@ def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
     assert [name for name, _ in calls] == want
 
 
-@pytest.mark.parametrize("heads,n_new", [(16, 1), (16, 2)])
-def test_gluon_launches_of_programs_merge_in_the_kernel_at_short_contexts(monkeypatch, heads, n_new):
-    """On a fast-DRAM Hopper the few-rows kernel (16 rows) and the transposed seesaw (32) merge a sequence's pieces in
-    the kernel (zeroed counters passed, two a sequence; no merge kernel after them) where the plan's chunks and ranges
-    cannot cut a sequence into more than GLUON_FUSED_MAX_CHUNKS pieces (max_seqlen_k ≤ 1k), and leave them to the
-    merge kernel beyond (8k). The bound itself: schedule.program_split (the schedule kernel's plain-Python twin,
-    test_program_schedule) on the 1k plans never cuts a sequence of skewed batches into more pieces."""
+@pytest.mark.parametrize("heads,n_new", [(16, 1), (8, 2)])
+def test_few_rows_kernel_merges_in_the_kernel_at_short_contexts(monkeypatch, heads, n_new):
+    """On a fast-DRAM Hopper the few-rows kernel (16 rows) merges a sequence's pieces in the kernel (zeroed counters
+    passed, two a sequence; no merge kernel after it) where the plan's chunks and ranges cannot cut a sequence into
+    more than FEW_FUSED_MAX_CHUNKS pieces (max_seqlen_k ≤ 1k), and leaves them to the merge kernel beyond (8k); the
+    transposed seesaw (32 rows) always does. The bound itself: schedule.program_split (the schedule kernel's
+    plain-Python twin, test_program_schedule) on the 1k plans never cuts a sequence of skewed batches into more
+    pieces."""
     monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_ws_supported", lambda cache: True)
     monkeypatch.setattr(kernels, "dram_gbps_per_sm", lambda device: 36.4)
     merges, launches = [], []
     monkeypatch.setattr(kernels, "merge_partials", lambda *a, **k: merges.append(a))
-    launch = lambda *a, programs, counters: launches.append(counters)  # noqa: E731
-    monkeypatch.setattr(kernels_few, "mla_decode_few", launch)
-    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", launch)
+    monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs, counters: launches.append(counters))
+    monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", lambda *a, programs: launches.append("seesaw_t"))
     cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(7)
     for batch, ctx, fused in ((128, 1024, True), (32, 1024, True), (100, 700, True), (32, 8192, False)):
@@ -637,7 +636,12 @@ def test_gluon_launches_of_programs_merge_in_the_kernel_at_short_contexts(monkey
                 skewed = torch.randint(1, ctx + 1, (batch,), generator=g)
                 skewed[torch.randint(batch, (1,), generator=g)] = ctx
                 _, _, spans, _ = schedule.program_split(skewed.tolist(), 64, plan.programs, plan.min_tiles, plan.wave)
-                assert max(n for _, n in spans) <= kernels.GLUON_FUSED_MAX_CHUNKS, (batch, ctx, skewed.tolist())
+                assert max(n for _, n in spans) <= kernels.FEW_FUSED_MAX_CHUNKS, (batch, ctx, skewed.tolist())
+    q = torch.zeros(128, 2, 16, 512, dtype=torch.bfloat16)  # 32 rows: the transposed seesaw, then the merge kernel
+    merges.clear()
+    kernels.mla_decode(q, q[..., :64], cache, None, torch.arange(128, dtype=torch.int32).repeat(128, 1),
+                       torch.full((128,), 1024, dtype=torch.int32), SCALE, 0, 1024)
+    assert launches[-1] == "seesaw_t" and merges
 
 
 def test_two_programs_an_sm_where_dram_outruns_one(monkeypatch):

@@ -72,17 +72,16 @@ def few(split=True, dtype="bf16", ranges=False, fused=False):
     return compile_kernel(F._mla_decode_few_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
-def seesaw_t(split=True, dtype="bf16", ranges=False, rows=32, fused=False):
+def seesaw_t(split=True, dtype="bf16", ranges=False, rows=32):
     """The transposed-seesaw Gluon kernel (kernels_seesaw_t.py) at `rows`, as mla_decode launches it on Hopper;
-    ranges, fused: as few()."""
+    ranges: a launch of programs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_few as F, kernels_seesaw_t as T
 
-    types = dict(_bf16_cache_types(dtype), prog_ptr="*i32", cnt_ptr="*i32")
+    types = dict(_bf16_cache_types(dtype), prog_ptr="*i32")
     ce = dict(SPLIT=split or ranges, SCHEDULE_ROW=F.ROW, KV_LORA=512, ROPE=64, ROWS=rows, BLOCK_N=F.BLOCK_N,
-              RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=(split or ranges) and not fused,
-              FUSED=fused)
+              RANGES=ranges, PROGRAM_ROW=F.PROGRAM_ROW, USE_PDL=True, LATE_TRIGGER=split or ranges)
     return compile_kernel(T._mla_decode_seesaw_t_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
@@ -141,9 +140,9 @@ def main(argv=None):
     for fused in (False, True):
         _show(f"mla decode rows 16, few rows (Gluon), a launch of programs, in-kernel merge {fused}",
               few(ranges=True, fused=fused))
-        for rows in (16, 32):
-            _show(f"mla decode rows {rows}, transposed seesaw (Gluon), a launch of programs, in-kernel merge {fused}",
-                  seesaw_t(ranges=True, rows=rows, fused=fused))
+    for rows in (16, 32):
+        _show(f"mla decode rows {rows}, transposed seesaw (Gluon), a launch of programs", seesaw_t(ranges=True,
+                                                                                                  rows=rows))
     for rows in (16, 32, 64):
         _show(f"mla decode rows {rows}, FP8 cache (Gluon)", fp8(rows))
     r = decode(16, cfg=dict(K.decode_config(16), USE_PDL=True))

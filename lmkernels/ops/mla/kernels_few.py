@@ -208,12 +208,12 @@ def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0
     """The in-kernel merge: this warpgroup counts its half of the piece's partial in on the sequence's counter of that
     half (cnt_ptr[2 · sequence + half]); the last of the sequence's n pieces to arrive adds the n partials' columns
     [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
-    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs: behind a
-    uniform batch that cuts no sequence it cost ~1.3 µs a call (NOTES, issue 6, session ai)."""
+    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200, NOTES,
+    issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence, ±0.1%;
+    at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge kernel)."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
     KV_LORA: gl.constexpr = 2 * COLS
-    ROUND: gl.constexpr = 4 if ROWS <= 16 else 1  # partials a round (32 values a thread each at 16 rows; 2 of
-    # 64 at 32 rows spilled in the transposed seesaw)
+    ROUND: gl.constexpr = 4  # partials a round: 32 values a thread each
     gl.thread_barrier()  # the warpgroup's partial is all stored before its count (the atomic releases it) …
     counter = cnt_ptr + 2 * b64 + HALF_IDX
     if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:  # … and the last reads the others' after it
@@ -375,20 +375,18 @@ _PIECE_LAYOUTS = {cols: gl.NVMMASharedLayout(swizzle_byte_width=2 * cols, elemen
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-                    qk_scale, slots, pdl, merge_pdl, programs, counters=None, **constexprs):
+                    qk_scale, slots, pdl, merge_pdl, programs, **kernel_args):
     """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too; descs: its cache
     descriptors) over (1, slots), one chunk a program, or over (1, programs), a launch of programs (programs > 0:
-    schedule.py); counters: zeroed int32, two a sequence, for the in-kernel merge (FUSED; None: the merge kernel
-    after this one merges); constexprs: the rows and the kernel's own."""
+    schedule.py); kernel_args: the rows and the kernel's own arguments and constexprs."""
     batch, n_new, heads, _ = q_nope.shape
     kernel[(1, programs or slots)](
         q_nope, q_pe, *descs, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,
-        sched if counters is None else counters,
         SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_N=BLOCK_N,
-        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, FUSED=counters is not None,
-        num_warps=4, maxnreg=MAXNREG, **constexprs,
+        RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
+        maxnreg=MAXNREG, **kernel_args,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -396,7 +394,9 @@ def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, 
 def mla_decode_few(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                    pdl=False, merge_pdl=False, programs=0, counters=None):
     """Launch over (1, slots) for ≤ MAX_ROWS rows (a block of 16), as kernels_ws.mla_decode_ws; programs > 0: over
-    (1, programs), a launch of programs (schedule.py); counters: launch_programs's."""
+    (1, programs), a launch of programs (schedule.py). counters: zeroed int32, two a sequence, for the in-kernel
+    merge (FUSED); None: the merge kernel after this one merges the pieces."""
     descs = (cache_descriptor(cache), cache_descriptor(cache, ROPE_HALF))
     launch_programs(_mla_decode_few_kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o,
-                    part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, counters, ROWS=16, NSTAGE=NSTAGE)
+                    part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=16, NSTAGE=NSTAGE,
+                    cnt_ptr=sched if counters is None else counters, FUSED=counters is not None)

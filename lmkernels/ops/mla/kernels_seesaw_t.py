@@ -29,9 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._utils import gdc_launch_dependents, gdc_wait
-from .kernels_few import (_finish_piece, _load_q_half, _piece, _program_pieces, _tiles, _zero_past_end,
-                          cache_descriptor, launch_programs)
-from .kernels_fp8 import _softmax_t, _tile_row
+from .kernels_few import (_load_q_half, _piece, _program_pieces, _tiles, _zero_past_end, cache_descriptor,
+                          launch_programs)
+from .kernels_fp8 import _epilogue, _softmax_t, _tile_row
 from .kernels_ws import PIECES, _add, _load_piece, _qk_piece, _seesaw_barriers
 
 MAX_ROWS = 32  # rows a program (fewer padded)
@@ -117,7 +117,7 @@ def _rescale(m_i, m_new):
 
 @gluon.jit
 def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, SPLIT: gl.constexpr,
-              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
+              RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Warpgroup W: columns [256 W, +256) of Oᵀ; scores the tiles of stage W. Per pair of tiles (t0, t1), m the
     running max: 0 scores t0, its softmax from m gives m0 and P0 (both to shared memory), o_L = o_L · α0 + V0Lᵀ P0;
     1 scores t1, takes m0, its softmax gives m1 and P1, o_R = (o_R · α0 + V0Rᵀ P0) · α1 + V1Rᵀ P1; 0 takes m1:
@@ -216,33 +216,34 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
         mbarrier.arrive(bar_m.index(2))
         mbarrier.wait(bar_m.index(2), k & 1)
         l_i = l_i + sl.slice((1 - W) * ROWS, ROWS).load(col_layout)
-        _finish_piece(acc, m_i, l_i, out_args, (slot, b64, n, first_chunk), rows, staging.index(W), W, FUSED)
+        o_ptr, lse_ptr, po_ptr, pl_ptr = out_args
+        _epilogue(acc, m_i, l_i, ones, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, n == 1),
+                  0, rows, staging.index(W), W * HALF, KV_LORA, W == 0)
 
 
 @gluon.jit
 def _consumer_default(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                      SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW, FUSED)
+                      SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 0, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
 def _consumer_worker(q_args, smem, bars, out_args, pieces, qk_scale, SPLIT: gl.constexpr, RANGES: gl.constexpr,
-                     SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
-    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW, FUSED)
+                     SCHEDULE_ROW: gl.constexpr):
+    _consumer(q_args, smem, bars, out_args, pieces, qk_scale, 1, SPLIT, RANGES, SCHEDULE_ROW)
 
 
 @gluon.jit
 def _mla_decode_seesaw_t_kernel(
     qn_ptr, qp_ptr, c_desc, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, prog_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_bt,
-    n_new, heads, page_size, qk_scale, cnt_ptr,
+    n_new, heads, page_size, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, RANGES: gl.constexpr = False, PROGRAM_ROW: gl.constexpr = 8,
-    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False, FUSED: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
-    the slots its row of prog_ptr names, one after another in one pipeline; FUSED: the in-kernel merge (both as
-    kernels_few.py)."""
+    the slots its row of prog_ptr names, one after another in one pipeline (kernels_few.py)."""
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
         if not LATE_TRIGGER:
@@ -270,20 +271,19 @@ def _mla_decode_seesaw_t_kernel(
     q_args = (qn_ptr, qp_ptr, n_new, heads, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     smem = (q_smem, qp_smem, kc, kp, pt, sm, sl, staging)
     bars = (ready, empty, bar_m, q_bar)
-    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr)
-    # the constexprs written into each partition's tuple: a tuple assigned to a name holds them as runtime values
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr)
+    # the constexprs written into each partition's tuple (kernels_few.py says why)
     gl.warp_specialize([
-        (_consumer_default, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW, FUSED)),
-        (_consumer_worker, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW, FUSED)),
+        (_consumer_default, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)),
+        (_consumer_worker, (q_args, smem, bars, out_args, pieces, qk_scale, SPLIT, RANGES, SCHEDULE_ROW)),
         (_loader, (pieces, c_desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size, SPLIT,
                    RANGES, SCHEDULE_ROW, LATE_TRIGGER)),
     ], [4, 1], [240, 24])
 
 
 def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                        pdl=False, merge_pdl=False, programs=0, counters=None, rows=MAX_ROWS):
+                        pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS):
     """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
-    over (1, programs), a launch of programs (schedule.py); counters: kernels_few.launch_programs's."""
+    over (1, programs), a launch of programs (schedule.py)."""
     launch_programs(_mla_decode_seesaw_t_kernel, (cache_descriptor(cache),), q_nope, q_pe, cache, block_tables,
-                    seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, counters,
-                    ROWS=rows)
+                    seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)
