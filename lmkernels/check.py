@@ -281,6 +281,16 @@ def _mla_cases(big, dev, dt):
                 yield (f"mla_decode({h} heads{', q 2' if q == 2 else ''}, 1 x 8k + 60 short)", qs.shape,
                        lambda qs=qs, qps=qps: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07)[0],
                        lambda qs=qs, qps=qps: ref.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, 0.07)[0])
+        if n_new == 1 and heads == 16 and big:  # contexts ≤ 1k in a batch that fills the GPU: the few-rows kernel
+            # merges the pieces its ranges cut in the kernel (two calls: its counters must be zero again after one)
+            lens = [1024] + [40 + 9 * i for i in range(110)]
+            sk_cache, sk_tables, sk_lens = _ragged_latent(lens, page, dev, dt)
+            qs, qps = (torch.randn(len(lens), 1, 16, d, device=dev, dtype=dt) for d in (512, 64))
+            for call in (1, 2):
+                yield (f"mla_decode(16 heads, 1k + 110 short, call {call})", qs.shape,
+                       lambda qs=qs, qps=qps: mla.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, scale=0.07,
+                                                             max_seqlen_k=1024)[0],
+                       lambda qs=qs, qps=qps: ref.mla_decode(qs, qps, sk_cache, sk_tables, sk_lens, 0.07)[0])
         if n_new == 1:  # the step's schedule made once, as a model's layers share it
             step = mla.mla_decode_schedule(cache, tables, seq_lens, num_heads=heads)
             yield (f"mla_decode({heads} heads, shared schedule)", qn.shape,
