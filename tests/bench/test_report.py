@@ -52,6 +52,17 @@ def test_rotation_count():
     assert timing.rotation_count(100 << 20, 100 << 20) == 4  # 4 x L2 when L2 is large
 
 
+def test_calls_per_graph():
+    """A timed graph holds whole cycles of the input sets, at least MIN_CALLS_PER_GRAPH calls, and enough to span
+    MIN_GRAPH_MS of GPU time (no more than MAX_CALLS_PER_GRAPH counted for that)."""
+    assert timing.calls_per_graph(1, float("inf")) == timing.MIN_CALLS_PER_GRAPH == 4
+    assert timing.calls_per_graph(2, 1.0) == 4 and timing.calls_per_graph(16, 1.0) == 16
+    assert timing.calls_per_graph(2, 0.045) == 12  # 0.5 ms / 45 µs
+    assert timing.calls_per_graph(3, 0.045) == 12 and timing.calls_per_graph(5, 0.045) == 15  # whole cycles
+    assert timing.calls_per_graph(1, 1e-4) == timing.MAX_CALLS_PER_GRAPH == 64
+    assert timing.calls_per_graph(48, 1e-4) == 96  # every set, in whole cycles
+
+
 def test_cycling_rotates_sets():
     seen = []
     call = timing.cycling(lambda a, b: seen.append((a, b)), [(1, 2), (3, 4), (5, 6)])
