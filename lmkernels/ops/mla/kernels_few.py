@@ -17,6 +17,8 @@ kernels_ws.py's schedule, with its extra wave). It has three partitions:
   softmax), zeroes its columns of the keys past the chunk's end in the last tile (the page may hold NaN there, and
   P = 0 times NaN is not 0), and multiplies Pᵀ into its half of Oᵀ [256, rows]. A stage is released once both
   have multiplied it. Each piece loads its sequence's q again and stages its o through a buffer of its own.
+Where the plan cannot cut a sequence into more than a few pieces (kernels.FEW_FUSED_MAX_CHUNKS: contexts up to 1k),
+the last piece of a sequence to finish merges the pieces' partials (_merge_if_last), and no merge kernel follows.
 H200 against the Triton kernel (NOTES, issue 6, session af): 16 heads B=32 8k −6%, B=128 1k −6%, B=128 8k and B=32
 32k −8%, B=32 1k −5%; at 32 rows (16 × 2) 1–7% slower than the 64-row blocks, so those keep them. Outputs, LSE and
 partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon): CPU tests run
@@ -99,7 +101,7 @@ def _loader(pieces, desc, desc_pe, bt_ptr, stride_bt, kc, kp, ready, empty, page
     BYTES: gl.constexpr = BLOCK * (KV_LORA + 2 * PE_HALF) * 2
     it = 0  # tiles so far, over the pieces
     for k in range(pieces[3]):
-        slot, seq, seq_len, start, end, n, first_chunk = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         for t in range(_tiles(start, end, BLOCK)):
             s = it % STAGES
@@ -208,9 +210,10 @@ def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0
     """The in-kernel merge: this warpgroup counts its half of the piece's partial in on the sequence's counter of that
     half (cnt_ptr[2 · sequence + half]); the last of the sequence's n pieces to arrive adds the n partials' columns
     [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
-    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200, NOTES,
-    issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence, ±0.1%;
-    at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge kernel)."""
+    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200,
+    NOTES, issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence,
+    ±0.1%; at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge
+    kernel)."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
     KV_LORA: gl.constexpr = 2 * COLS
     ROUND: gl.constexpr = 4  # partials a round: 32 values a thread each

@@ -47,7 +47,7 @@ def _loader(pieces, desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size,
     n0 = 0
     n1 = 0
     for k in range(pieces[3]):
-        slot, seq, seq_len, start, end, n, first_chunk = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         n_tiles = _tiles(start, end, BLOCK)
         for t in range((n_tiles + 1) // 2):
@@ -143,7 +143,7 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
     n0 = 0  # tiles stage 0 / 1 has taken so far (the loader's counts)
     n1 = 0
     for k in range(pieces[3]):
-        slot, seq, seq_len, start, end, n, first_chunk = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         b64 = seq.to(gl.int64)
         # its half of q: both warpgroups are past the last piece's scores (its l exchange below)
         _load_q_half(q_args, b64, 0, q_buf.index(0), qp_buf.index(0).slice(W * PE_HALF, PE_HALF, dim=1), W)
