@@ -18,7 +18,8 @@ kernels_ws.py's schedule, with its extra wave). It has three partitions:
   P = 0 times NaN is not 0), and multiplies Pᵀ into its half of Oᵀ [256, rows]. A stage is released once both
   have multiplied it. Each piece loads its sequence's q again and stages its o through a buffer of its own.
 Where the plan cannot cut a sequence into more than a few pieces (kernels.FEW_FUSED_MAX_CHUNKS: contexts up to 1k),
-the last piece of a sequence to finish merges the pieces' partials (_merge_if_last), and no merge kernel follows.
+the last piece of a sequence to finish merges the pieces' partials (kernels_ws._merge_if_last), and no merge kernel
+follows.
 H200 against the Triton kernel (NOTES, issue 6, session af): 16 heads B=32 8k −6%, B=128 1k −6%, B=128 8k and B=32
 32k −8%, B=32 1k −5%; at 32 rows (16 × 2) 1–7% slower than the 64-row blocks, so those keep them. Outputs, LSE and
 partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon): CPU tests run
@@ -32,7 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add
+from .kernels_ws import _add, _merge_if_last, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -40,17 +41,6 @@ ROPE_HALF = 32  # each consumer warpgroup's k_pe columns (a TMA piece of its own
 NSTAGE = 2  # 72 KB stages; with q, the exchange and o's staging buffers 190 KB at 16 rows
 MAX_ROWS = 16  # more rows take kernels_seesaw_t.py (or kernels_ws.py's 64-row blocks): at 32 rows (16 × 2) this
 # kernel was 1–7% slower than the 64-row blocks on the H200 (NOTES, issue 6, session af)
-
-
-@gluon.jit
-def _slot_row(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
-    """(sequence, its length, first key, end key, its chunk count, its first chunk's slot) of a slot: its row of the
-    schedule (SPLIT; sequence < 0: a spare slot), else the whole sequence `slot`; the loads in one round."""
-    if SPLIT:
-        row = sched_ptr + slot * SCHEDULE_ROW
-        return gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5)
-    seq_len = gl.load(len_ptr + slot).to(gl.int32)
-    return slot, seq_len, 0, seq_len, 1, slot
 
 
 @gluon.jit
@@ -66,7 +56,7 @@ def _program_pieces(sched_ptr, len_ptr, prog_ptr, SPLIT: gl.constexpr, RANGES: g
         row0 = (gl.load(prow + 2), gl.load(prow + 3), gl.load(prow + 4), gl.load(prow + 5), gl.load(prow + 6),
                 gl.load(prow + 7))
         return sched_ptr, len_ptr, gl.load(prow), gl.load(prow + 1), row0
-    row0 = _slot_row(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)
+    row0 = _slot_chunk(sched_ptr, len_ptr, p, SPLIT, SCHEDULE_ROW)
     return sched_ptr, len_ptr, p, (row0[0] >= 0).to(gl.int32), row0
 
 
@@ -78,7 +68,7 @@ def _piece(pieces, k, SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: g
     seq, seq_len, start, end, n, first_chunk = row0
     if RANGES:
         if k > 0:
-            seq, seq_len, start, end, n, first_chunk = _slot_row(sched_ptr, len_ptr, first + k, SPLIT, SCHEDULE_ROW)
+            seq, seq_len, start, end, n, first_chunk = _slot_chunk(sched_ptr, len_ptr, first + k, SPLIT, SCHEDULE_ROW)
     return first + k, seq, seq_len, start, end, n, first_chunk
 
 
@@ -191,8 +181,9 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.const
 def _finish_piece(acc, m_i, l_i, out_args, piece, rows, buf, HALF_IDX: gl.constexpr, FUSED: gl.constexpr):
     """This warpgroup's half of a piece's o (Oᵀ in acc) and its LSE out (kernels_fp8._epilogue): the final output
     where the piece is its sequence's only one, else a partial. FUSED: then the last of the sequence's pieces to
-    finish merges them (_merge_if_last); both warpgroups store the LSE there (the same values: each merges its
-    columns by the LSE its counterparts of the other pieces stored), else warpgroup 0 alone."""
+    finish merges them (kernels_ws._merge_if_last, on counter cnt_ptr[2 · sequence + half]); both warpgroups store
+    the LSE there (the same values: each merges its columns by the LSE its counterparts of the other pieces stored),
+    else warpgroup 0 alone."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
     slot, b64, n, first_chunk = piece
     COLS: gl.constexpr = acc.shape[0]
@@ -201,57 +192,8 @@ def _finish_piece(acc, m_i, l_i, out_args, piece, rows, buf, HALF_IDX: gl.conste
               rows, buf, HALF_IDX * COLS, 2 * COLS, HALF_IDX == 0 or FUSED)
     if FUSED:
         if n > 1:
-            _merge_if_last(out_args, b64, n, first_chunk, rows, acc.shape[1], HALF_IDX * COLS, COLS, HALF_IDX)
-
-
-@gluon.jit
-def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0, COLS: gl.constexpr,
-                   HALF_IDX: gl.constexpr):
-    """The in-kernel merge: this warpgroup counts its half of the piece's partial in on the sequence's counter of that
-    half (cnt_ptr[2 · sequence + half]); the last of the sequence's n pieces to arrive adds the n partials' columns
-    [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
-    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200,
-    NOTES, issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence,
-    ±0.1%; at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge
-    kernel)."""
-    o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
-    KV_LORA: gl.constexpr = 2 * COLS
-    ROUND: gl.constexpr = 4  # partials a round: 32 values a thread each
-    gl.thread_barrier()  # the warpgroup's partial is all stored before its count (the atomic releases it) …
-    counter = cnt_ptr + 2 * b64 + HALF_IDX
-    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:  # … and the last reads the others' after it
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        row_ok = r < rows
-        part = first_chunk.to(gl.int64) * rows + r  # row r of the first partial; partial j is j · rows rows on
-        m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
-        total = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, layout))
-        out = gl.zeros([ROWS, COLS], gl.float32, layout=layout)
-        for j0 in range(0, n, ROUND):
-            for j in gl.static_range(ROUND):
-                ok = row_ok & (j0 + j < n)
-                pj = part + (j0 + j) * rows
-                # L2, not L1: other SMs wrote these in this launch
-                lse_j = gl.load(pl_ptr + pj, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                o_j = gl.load(po_ptr + pj[:, None] * KV_LORA + c[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                m_new = gl.maximum(m, lse_j)
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp(m - m_safe)
-                w = gl.exp(lse_j - m_safe)
-                total = total * alpha + w
-                out = out * alpha[:, None] + o_j.to(gl.float32) * w[:, None]
-                m = m_new
-        empty_rows = total == 0.0
-        t_safe = gl.where(empty_rows, 1.0, total)
-        final = b64 * rows + r
-        gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :], (out / t_safe[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        if HALF_IDX == 0:
-            m_safe = gl.where(m == float("-inf"), 0.0, m)
-            gl.store(lse_ptr + final, gl.where(empty_rows, float("-inf"), m_safe + gl.log(t_safe)), mask=row_ok)
-        gl.store(counter, 0)
+            _merge_if_last((o_ptr, lse_ptr, po_ptr, pl_ptr), cnt_ptr + 2 * b64 + HALF_IDX, b64, n, first_chunk, rows,
+                           0, acc.shape[1], HALF_IDX * COLS, COLS, HALF_IDX)
 
 
 @gluon.jit
@@ -313,7 +255,7 @@ def _mla_decode_few_kernel(
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
-    after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_merge_if_last; cnt_ptr
+    after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_finish_piece; cnt_ptr
     the zeroed counters, two a sequence), else in the merge kernel after this one."""
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()

@@ -516,7 +516,8 @@ def _mla_decode_fp8_kernel(
             gdc_launch_dependents()
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
-    seq, seq_len, start, end, direct = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    seq, seq_len, start, end, n, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    direct = n == 1
     if seq < 0:  # a spare slot
         return
     b64 = seq.to(gl.int64)
