@@ -583,7 +583,7 @@ def test_decode_routes_rows_to_their_gluon_kernel(monkeypatch, dram):
     monkeypatch.setattr(kernels_few, "mla_decode_few", lambda *a, programs, counters: calls.append(("few", programs)))
     monkeypatch.setattr(kernels_seesaw_t, "mla_decode_seesaw_t", lambda *a, programs: calls.append(("seesaw_t",
                                                                                                      programs)))
-    monkeypatch.setattr(kernels_ws, "mla_decode_ws", lambda *a, counters: calls.append(("ws", 0)))
+    monkeypatch.setattr(kernels_ws, "mla_decode_ws", lambda *a: calls.append(("ws", 0)))
     monkeypatch.setattr(kernels, "_mla_decode_kernel", None)  # the Triton kernel: not launched here
     cache = torch.zeros(128, 64, 576, dtype=torch.bfloat16)
     tables = torch.arange(128, dtype=torch.int32).repeat(32, 1)  # 32 sequences of 8000 keys, sharing the pages

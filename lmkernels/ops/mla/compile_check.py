@@ -45,16 +45,16 @@ def _bf16_cache_types(dtype):
                 qk_scale="fp32")
 
 
-def ws(split=True, dtype="bf16", fused=False):
+def ws(split=True, dtype="bf16"):
     """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, the merge kernel's launch
-    triggered late, as mla_decode gives them on Hopper; fused: merged in the kernel instead (no merge kernel)."""
+    triggered late, as mla_decode gives them on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
 
-    types = dict(_bf16_cache_types(dtype), cnt_ptr="*i32")
+    types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split and not fused, FUSED=fused)
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 
@@ -134,9 +134,8 @@ def main(argv=None):
                CUT=S.RANGE_CUT_TILES, DRAM=S.DRAM_PROGRAMS)
     _show("mla schedule of programs", compile_kernel(S._program_schedule_kernel, dict(len_ptr="*i32",
                                                                                        sched_ptr="*i32"), rce, 8, 1))
-    for split, fused in ((False, False), (True, False), (True, True)):
-        _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}, in-kernel merge {fused}",
-              ws(split, fused=fused))
+    for split in (False, True):
+        _show(f"mla decode rows 64, warp-specialised (Gluon), split {split}", ws(split))
     _show("mla decode rows 16, few rows (Gluon)", few())
     for fused in (False, True):
         _show(f"mla decode rows 16, few rows (Gluon), a launch of programs, in-kernel merge {fused}",

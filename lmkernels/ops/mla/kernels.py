@@ -662,11 +662,10 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
-# the Gluon kernels' in-kernel merge (kernels_ws._merge_if_last: the last of a sequence's chunks to finish merges
-# them, and no merge kernel runs) where no sequence can be cut into more than this many pieces: the few-rows kernel's
-# ranges (contexts up to 1k: chunks and ranges are ≥ 4 tiles, and a range may cut one more), the 64-row blocks'
-# chunks (the same contexts); the transposed seesaw keeps the merge kernel (NOTES, issue 6, session aj)
-FEW_FUSED_MAX_CHUNKS, WS_FUSED_MAX_CHUNKS = 5, 4
+# the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
+# merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
+# ≥ 4 tiles, and a range may cut one more); the merge kernel otherwise
+FEW_FUSED_MAX_CHUNKS = 5
 # peak DRAM GB/s per SM from which decode_config's FAST_DRAM_PROGRAMS_PER_SM applies: between an H100 SXM's 25.4 and
 # an H200's 36.4 (the 16-row kernel's one program an SM, ~22 GB/s, keeps up with what the first's DRAM delivers, 23,
 # not with the second's, 32)
@@ -922,7 +921,9 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # partials was a skewed batch's tail (H100, session q: 16 heads 1 × 32k + 31 × 1k 62.7 → 45.3 µs)
     most_chunks = triton.cdiv(triton.cdiv(max_context, cfg["BLOCK_N"]), min_tiles) + (programs > 0)
     merge_after = FUSED_MAX_CHUNKS if fused and most_chunks > FUSED_MAX_CHUNKS else 0
-    gluon_fused = ws and split and not fp8 and most_chunks <= _gluon_fused_chunks(n_new * heads, cache, programs)
+    # the few-rows kernel merges in the kernel where no sequence can take more than FEW_FUSED_MAX_CHUNKS pieces, and
+    # no merge kernel runs
+    few_fused = ws and programs > 0 and most_chunks <= FEW_FUSED_MAX_CHUNKS and n_new * heads <= _few_rows()
     pdl = cfg.pop("PDL", PDL if ws else TRITON_PDL) and pdl_enabled(q_nope.device)
     # 16-bit partials: half the bytes written and merged (the Gluon kernel's: 128 heads B=32 1k +14%, B=1 32k +3%
     # through the one-row merge, session m); the Triton kernel's separate-merge path keeps fp32 ones (not measured
@@ -932,7 +933,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # the whole-rows merge behind the Gluon kernel launches with PDL, released once every decode program has issued
     # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.7 µs; behind the column-
     # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
-    merge_pdl = (ws and split and not gluon_fused and pdl and MERGE_PDL
+    merge_pdl = (ws and split and not few_fused and pdl and MERGE_PDL
                  and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     part_o, part_l, sched = o, lse, seq_lens  # not read without splits
@@ -956,13 +957,12 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
 
         args = (q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, scale * LOG2E, slots, pdl,
                 merge_pdl)
-        counters = _counters(o.device, 2 * batch * m_blocks) if gluon_fused else None  # two a sequence and m-block
         if n_new * heads <= _few_rows():
-            mla_decode_few(*args, programs=programs, counters=counters)
+            mla_decode_few(*args, programs=programs, counters=_counters(o.device, 2 * batch) if few_fused else None)
         elif seesaw_t_rows(n_new * heads, cache):
             mla_decode_seesaw_t(*args, programs=programs)
         else:
-            mla_decode_ws(*args, counters=counters)
+            mla_decode_ws(*args)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](
@@ -973,7 +973,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
             KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, RANGES=programs > 0,
             MERGE_AFTER=merge_after, **cfg, **({"launch_pdl": True} if pdl else {}),
         )
-    if split and not gluon_fused and (merge_after or not fused):
+    if split and not few_fused and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
                        pdl=merge_pdl, max_chunks=most_chunks)
     return o, lse
@@ -984,13 +984,6 @@ def _few_rows():
     from .kernels_few import MAX_ROWS
 
     return MAX_ROWS
-
-
-def _gluon_fused_chunks(rows, cache, programs):
-    """The most pieces of a sequence the 16-bit Gluon kernel taking `rows` merges in the kernel (0: none)."""
-    if rows <= _few_rows():
-        return FEW_FUSED_MAX_CHUNKS if programs else 0
-    return 0 if seesaw_t_rows(rows, cache) else WS_FUSED_MAX_CHUNKS
 
 
 def _rows_merge(all_rows, splits, device, rows_kernel=None, min_chunks=2) -> bool:

@@ -18,8 +18,7 @@ kernels_ws.py's schedule, with its extra wave). It has three partitions:
   P = 0 times NaN is not 0), and multiplies Pᵀ into its half of Oᵀ [256, rows]. A stage is released once both
   have multiplied it. Each piece loads its sequence's q again and stages its o through a buffer of its own.
 Where the plan cannot cut a sequence into more than a few pieces (kernels.FEW_FUSED_MAX_CHUNKS: contexts up to 1k),
-the last piece of a sequence to finish merges the pieces' partials (kernels_ws._merge_if_last), and no merge kernel
-follows.
+the last piece of a sequence to finish merges the pieces' partials (_merge_if_last), and no merge kernel follows.
 H200 against the Triton kernel (NOTES, issue 6, session af): 16 heads B=32 8k −6%, B=128 1k −6%, B=128 8k and B=32
 32k −8%, B=32 1k −5%; at 32 rows (16 × 2) 1–7% slower than the 64-row blocks, so those keep them. Outputs, LSE and
 partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter cannot run Gluon): CPU tests run
@@ -33,7 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from .kernels_ws import _add, _merge_if_last, _slot_chunk
+from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -181,9 +180,8 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, HALF_IDX: gl.const
 def _finish_piece(acc, m_i, l_i, out_args, piece, rows, buf, HALF_IDX: gl.constexpr, FUSED: gl.constexpr):
     """This warpgroup's half of a piece's o (Oᵀ in acc) and its LSE out (kernels_fp8._epilogue): the final output
     where the piece is its sequence's only one, else a partial. FUSED: then the last of the sequence's pieces to
-    finish merges them (kernels_ws._merge_if_last, on counter cnt_ptr[2 · sequence + half]); both warpgroups store
-    the LSE there (the same values: each merges its columns by the LSE its counterparts of the other pieces stored),
-    else warpgroup 0 alone."""
+    finish merges them (_merge_if_last); both warpgroups store the LSE there (the same values: each merges its
+    columns by the LSE its counterparts of the other pieces stored), else warpgroup 0 alone."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
     slot, b64, n, first_chunk = piece
     COLS: gl.constexpr = acc.shape[0]
@@ -192,8 +190,57 @@ def _finish_piece(acc, m_i, l_i, out_args, piece, rows, buf, HALF_IDX: gl.conste
               rows, buf, HALF_IDX * COLS, 2 * COLS, HALF_IDX == 0 or FUSED)
     if FUSED:
         if n > 1:
-            _merge_if_last((o_ptr, lse_ptr, po_ptr, pl_ptr), cnt_ptr + 2 * b64 + HALF_IDX, b64, n, first_chunk, rows,
-                           0, acc.shape[1], HALF_IDX * COLS, COLS, HALF_IDX)
+            _merge_if_last(out_args, b64, n, first_chunk, rows, acc.shape[1], HALF_IDX * COLS, COLS, HALF_IDX)
+
+
+@gluon.jit
+def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0, COLS: gl.constexpr,
+                   HALF_IDX: gl.constexpr):
+    """The in-kernel merge: this warpgroup counts its half of the piece's partial in on the sequence's counter of that
+    half (cnt_ptr[2 · sequence + half]); the last of the sequence's n pieces to arrive adds the n partials' columns
+    [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
+    their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200,
+    NOTES, issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence,
+    ±0.1%; at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge
+    kernel)."""
+    o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
+    KV_LORA: gl.constexpr = 2 * COLS
+    ROUND: gl.constexpr = 4  # partials a round: 32 values a thread each
+    gl.thread_barrier()  # the warpgroup's partial is all stored before its count (the atomic releases it) …
+    counter = cnt_ptr + 2 * b64 + HALF_IDX
+    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:  # … and the last reads the others' after it
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        row_ok = r < rows
+        part = first_chunk.to(gl.int64) * rows + r  # row r of the first partial; partial j is j · rows rows on
+        m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        total = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, layout))
+        out = gl.zeros([ROWS, COLS], gl.float32, layout=layout)
+        for j0 in range(0, n, ROUND):
+            for j in gl.static_range(ROUND):
+                ok = row_ok & (j0 + j < n)
+                pj = part + (j0 + j) * rows
+                # L2, not L1: other SMs wrote these in this launch
+                lse_j = gl.load(pl_ptr + pj, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                o_j = gl.load(po_ptr + pj[:, None] * KV_LORA + c[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                m_new = gl.maximum(m, lse_j)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp(m - m_safe)
+                w = gl.exp(lse_j - m_safe)
+                total = total * alpha + w
+                out = out * alpha[:, None] + o_j.to(gl.float32) * w[:, None]
+                m = m_new
+        empty_rows = total == 0.0
+        t_safe = gl.where(empty_rows, 1.0, total)
+        final = b64 * rows + r
+        gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :], (out / t_safe[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        if HALF_IDX == 0:
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            gl.store(lse_ptr + final, gl.where(empty_rows, float("-inf"), m_safe + gl.log(t_safe)), mask=row_ok)
+        gl.store(counter, 0)
 
 
 @gluon.jit
@@ -255,7 +302,7 @@ def _mla_decode_few_kernel(
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
-    after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_finish_piece; cnt_ptr
+    after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_merge_if_last; cnt_ptr
     the zeroed counters, two a sequence), else in the merge kernel after this one."""
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()

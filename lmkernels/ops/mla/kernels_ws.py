@@ -197,22 +197,22 @@ def _zero_tail(v, n0, end):
 
 @gluon.jit
 def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              SCHEDULE_ROW: gl.constexpr, FUSED: gl.constexpr):
+              SCHEDULE_ROW: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
     o_L = o_L · α0 + P0 · V0L; 1 scores t1, takes m0, its softmax gives m1 and P1 (P1 into t1's k_pe slot),
     o_R = (o_R · α0 + P0 · V0R) · α1 + P1 · V1R; 0 takes m1: o_L = o_L · α1 + P1 · V1L. One softmax chain, handed
     back and forth, while the other warpgroup's wgmma has the tensor cores. Each partition reads the program's slot
-    itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork. FUSED:
-    the last chunk of a sequence to finish merges its chunks (_merge_if_last)."""
+    itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork."""
     q_ctx, bar_m, sm, sl = ctx
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
-    o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, n_new, heads = out_args
+    o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads = out_args
     sched_ptr, len_ptr = slot_args
     m_block = gl.program_id(0)
     slot = gl.program_id(1)
     seq, seq_len, start, end, n, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    direct = n == 1
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     HALF: gl.constexpr = q_smem.shape[1] // 2
     BLOCK_N: gl.constexpr = kc.shape[1]
@@ -302,26 +302,15 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
         l_i = l_i + sl.slice((1 - HALF_IDX) * BLOCK_M, BLOCK_M).load(row_layout)
         # both warpgroups are past their last wgmma, so q is free: o goes out through this warpgroup's half of it
         rows_total = n_new * heads
-        item_out = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows_total, slot.to(gl.int64) * rows_total, n == 1)
-        # FUSED: both warpgroups store the LSE, each merging its columns by the LSE its counterparts stored
-        _epilogue(acc, m_i, l_i, item_out, rows_args, q_smem.slice(HALF_IDX * HALF, HALF, dim=1), HALF_IDX,
-                  HALF_IDX == 0 or FUSED)
-        if FUSED:
-            # the chunk count and first slot read again (volatile: not kept in registers through the loop, whose
-            # consumers have none to spare)
-            row = sched_ptr + slot * SCHEDULE_ROW
-            n = gl.load(row + 4, volatile=True)
-            if n > 1:
-                counter = cnt_ptr + (b64 * gl.num_programs(0) + m_block) * 2 + HALF_IDX
-                _merge_if_last((o_ptr, lse_ptr, po_ptr, pl_ptr), counter, b64, n, gl.load(row + 5, volatile=True),
-                               rows_total, m_block * BLOCK_M, BLOCK_M, HALF_IDX * HALF, HALF, HALF_IDX)
+        item_out = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows_total, slot.to(gl.int64) * rows_total, direct)
+        _epilogue(acc, m_i, l_i, item_out, rows_args, q_smem.slice(HALF_IDX * HALF, HALF, dim=1), HALF_IDX)
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr, LSE: gl.constexpr):
+def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
     """o = acc / l for this warpgroup's columns, through shared memory (buf: [BLOCK_M, 256] of q's, free by now) so
     that each warp stores whole rows in 16-byte pieces: from the accumulator's registers a thread holds 2 columns of a
-    row, and those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). LSE: also the rows' LSE.
+    row, and those 4- or 8-byte stores took 4–8 µs of a 1k call (H100, session m). Warpgroup 0 also stores the LSE.
     Rows go to the final output (final_row0: the sequence's first row; direct: its only chunk) or to the partials
     (part_row0: the slot's first row), both [rows, 512] / [rows] contiguous."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, final_row0, part_row0, direct = out_args
@@ -345,7 +334,7 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr, L
     gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
     gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
              mask=row_ok & (not direct))
-    if LSE:
+    if HALF_IDX == 0:
         rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
         ok = rows < n_new * heads
@@ -354,74 +343,13 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr, L
 
 
 @gluon.jit
-def _merge_if_last(outs, counter, b64, n, first_chunk, rows, row0, ROWS: gl.constexpr, col0, COLS: gl.constexpr,
-                   HALF_IDX: gl.constexpr):
-    """The in-kernel merge, once this warpgroup has stored its columns of a chunk's partial (o columns [col0, +COLS)
-    of rows row0 … row0 + ROWS, and the rows' LSE): it counts itself in on `counter` (the sequence's, of these rows
-    and columns), and the last of the sequence's n chunks to arrive adds the n partials' columns under their LSE into
-    the final o (warpgroup 0 also the final LSE), in column blocks of 4096 / ROWS values a row, ROUND partials a
-    round (all their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs
-    (kernels.GLUON_FUSED_MAX_CHUNKS says where). H200 (NOTES, issue 6, session aj), the few-rows kernel: 16 heads
-    B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k (four pieces a sequence) ±0.1%; at 32 rows in the transposed
-    seesaw, one partial a round, B=32 1k was 15% slower, so that kernel keeps the merge kernel."""
-    o_ptr, lse_ptr, po_ptr, pl_ptr = outs
-    KV_LORA: gl.constexpr = 2 * COLS
-    BLOCK: gl.constexpr = 4096 // ROWS if ROWS <= 16 else 32  # columns a round
-    ROUND: gl.constexpr = 4 if ROWS <= 16 else 1
-    gl.thread_barrier()  # the warpgroup's partial is all stored before its count (the atomic releases it) …
-    # one thread's atomic, its result shared by a reduction: a scalar atomic_add (the same, lowered through shared
-    # memory) made ptxas spill ~250 bytes a thread across the 64-row kernel's loop
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    lane = gl.arange(0, 128, layout=lanes)
-    old = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, layout=lanes), mask=lane == 0, sem="acq_rel",
-                        scope="gpu")
-    if gl.reduce(gl.where(lane == 0, old, -1), 0, _maximum) == n - 1:  # … and the last reads the others' after it
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK, BLOCK // 8], [4, 1], [1, 0])
-        r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        row_ok = r < rows
-        part = first_chunk.to(gl.int64) * rows + r  # row r of the first partial; partial j is j · rows rows on
-        final = b64 * rows + r
-        for cb in range(COLS // BLOCK):  # a loop, not unrolled: the 64-row kernel's consumers have no registers to spare
-            c = col0 + cb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
-            m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
-            total = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, layout))
-            out = gl.zeros([ROWS, BLOCK], gl.float32, layout=layout)
-            for j0 in range(0, n, ROUND):
-                for j in gl.static_range(ROUND):
-                    ok = row_ok & (j0 + j < n)
-                    pj = part + (j0 + j) * rows
-                    # L2, not L1: other SMs wrote these in this launch
-                    lse_j = gl.load(pl_ptr + pj, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    o_j = gl.load(po_ptr + pj[:, None] * KV_LORA + c[None, :], mask=ok[:, None], other=0.0,
-                                  cache_modifier=".cg")
-                    m_new = gl.maximum(m, lse_j)
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp(m - m_safe)
-                    w = gl.exp(lse_j - m_safe)
-                    total = total * alpha + w
-                    out = out * alpha[:, None] + o_j.to(gl.float32) * w[:, None]
-                    m = m_new
-            t_safe = gl.where(total == 0.0, 1.0, total)
-            gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :], (out / t_safe[:, None]).to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            if HALF_IDX == 0:
-                if cb == 0:
-                    m_safe = gl.where(m == float("-inf"), 0.0, m)
-                    gl.store(lse_ptr + final, gl.where(total == 0.0, float("-inf"), m_safe + gl.log(t_safe)),
-                             mask=row_ok)
-        gl.store(counter, 0)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                      FUSED: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW, FUSED)
-
-
-@gluon.jit
-def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                     FUSED: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW, FUSED)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -457,10 +385,10 @@ def _seesaw_barriers():
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale, cnt_ptr,
+    n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, FUSED: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -480,11 +408,11 @@ def _mla_decode_ws_kernel(
     sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
-    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, n_new, heads)  # cnt_ptr: the zeroed counters (FUSED)
+    out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
     slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, FUSED)),
-        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, FUSED)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
                    LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -514,18 +442,17 @@ def supported(cache):
 
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                  pdl=False, merge_pdl=False, counters=None):
+                  pdl=False, merge_pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
-    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials and sched the schedule (schedule.py; slots >
-    batch only). counters: zeroed int32, two a sequence and m-block, for the in-kernel merge (FUSED); None: the merge
-    kernel after this one merges the partials."""
+    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
+    (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     _mla_decode_ws_kernel[(m_blocks, slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, sched if counters is None else counters,
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, FUSED=counters is not None, num_warps=4,
-        maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}),
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}),
     )
