@@ -90,7 +90,7 @@ def _loader(pieces, desc, desc_pe, bt_ptr, stride_bt, kc, kp, ready, empty, page
     BYTES: gl.constexpr = BLOCK * (KV_LORA + 2 * PE_HALF) * 2
     it = 0  # tiles so far, over the pieces
     for k in range(pieces[3]):
-        slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        _, seq, _, start, end, _, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         for t in range(_tiles(start, end, BLOCK)):
             s = it % STAGES
@@ -201,7 +201,8 @@ def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0
     [col0, +COLS) under their LSE into the final o (warpgroup 0 also the final LSE), ROUND partials a round (all
     their loads in flight at once), and zeroes the counter for the next launch. No merge kernel then runs (H200,
     NOTES, issue 6, session aj: 16 heads B=128 1k −1.7%, 8 × 1k + 120 × 64 −6.4%, B=32 1k, four pieces a sequence,
-    ±0.1%; at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, so it keeps the merge
+    ±0.1%; at 32 rows in the transposed seesaw, one partial a round, B=32 1k was 15% slower, and the 64-row blocks'
+    build with it spilled and ran ~50% slower on every 1k row, even where nothing merged: both keep the merge
     kernel)."""
     o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr = out_args
     KV_LORA: gl.constexpr = 2 * COLS

@@ -47,7 +47,7 @@ def _loader(pieces, desc, bt_ptr, stride_bt, kc, kp, ready, empty, page_size,
     n0 = 0
     n1 = 0
     for k in range(pieces[3]):
-        slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
+        _, seq, _, start, end, _, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         n_tiles = _tiles(start, end, BLOCK)
         for t in range((n_tiles + 1) // 2):
