@@ -416,9 +416,10 @@ def _store_rows(o_ptr, lse_ptr, row, mask, acc, acc_hi, l_safe, lse, offs_w, HAL
     """o = acc / l (both halves with HALVES) and the LSE of the given rows of [rows, 512] / [rows]."""
     W: tl.constexpr = offs_w.shape[0]
     o_rows = o_ptr + row[:, None] * (W * (1 + HALVES)) + offs_w[None, :]
-    tl.store(o_rows, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
+    inv_l = 1.0 / l_safe  # a reciprocal a row, a multiply an element (kernels_ws._epilogue)
+    tl.store(o_rows, (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
     if HALVES:
-        tl.store(o_rows + W, (acc_hi / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(o_rows + W, (acc_hi * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=mask[:, None])
     tl.store(lse_ptr + row, lse, mask=mask)
 
 
@@ -608,7 +609,7 @@ def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
     t_safe = tl.where(total == 0.0, 1.0, total)
     d = tl.arange(0, KV_LORA)
     tl.store(o_ptr + (batch * rows + r)[:, None] * KV_LORA + d[None, :],
-             (out / t_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+             (out * (1.0 / t_safe)[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + batch * rows + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(t_safe)), mask=row_ok)
 
 

@@ -236,8 +236,8 @@ def _merge_if_last(out_args, b64, n, first_chunk, rows, ROWS: gl.constexpr, col0
         empty_rows = total == 0.0
         t_safe = gl.where(empty_rows, 1.0, total)
         final = b64 * rows + r
-        gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :], (out / t_safe[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+        gl.store(o_ptr + final[:, None] * KV_LORA + c[None, :],
+                 (out * (1.0 / t_safe)[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
         if HALF_IDX == 0:
             m_safe = gl.where(m == float("-inf"), 0.0, m)
             gl.store(lse_ptr + final, gl.where(empty_rows, float("-inf"), m_safe + gl.log(t_safe)), mask=row_ok)
