@@ -333,15 +333,19 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
     o_rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
     o_cols = HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
     row_ok = (o_rows < n_new * heads)[:, None]
-    gl.store(o_ptr + (final_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok & direct)
-    gl.store(po_ptr + (part_row0 + o_rows)[:, None] * KV_LORA + o_cols[None, :], out.to(po_ptr.dtype.element_ty),
-             mask=row_ok & (not direct))
+    # one store through the rows it goes to (two masked sets took 144 more instructions a lane: NOTES, issue 6, ak-9)
+    gl.static_assert(po_ptr.dtype == o_ptr.dtype, "partials in o's dtype: one store through either")
+    if direct:
+        dst = o_ptr + final_row0 * KV_LORA
+        dst_l = lse_ptr + final_row0
+    else:
+        dst = po_ptr + part_row0 * KV_LORA
+        dst_l = pl_ptr + part_row0
+    gl.store(dst + o_rows[:, None] * KV_LORA + o_cols[None, :], out, mask=row_ok)
     if HALF_IDX == 0:
         rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
         lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-        ok = rows < n_new * heads
-        gl.store(lse_ptr + final_row0 + rows, lse, mask=ok & direct)
-        gl.store(pl_ptr + part_row0 + rows, lse, mask=ok & (not direct))
+        gl.store(dst_l + rows, lse, mask=rows < n_new * heads)
 
 
 @gluon.jit
