@@ -106,8 +106,7 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 @gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, EARLY: gl.constexpr,
-            fr_ptr):
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
@@ -115,29 +114,16 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
     BLOCK_N: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
-    sched_ptr, len_ptr = slot_args
-    if EARLY >= 1:
-        seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
-        if EARLY == 2:
-            if SPLIT:
-                first_row = gl.load(fr_ptr + gl.program_id(1))
-            else:
-                first_row = gl.load(bt_ptr + gl.program_id(1).to(gl.int64) * stride_bt).to(gl.int32) * page_size
     desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
     nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if EARLY == 0:
-        seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
+    sched_ptr, len_ptr = slot_args
+    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
     n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)  # a spare slot: none
     bt_row = bt_ptr + gl.maximum(seq, 0).to(gl.int64) * stride_bt
     for k in range((n_tiles + 1) // 2):
         ph = (k & 1) ^ 1  # fresh barriers count as released
         n0 = start + 2 * k * BLOCK_N
-        if EARLY == 2:
-            row0 = gl.where(k == 0, first_row,
-                            gl.load(bt_row + n0 // page_size, mask=k > 0, other=0).to(gl.int32) * page_size
-                            + n0 % page_size)
-        else:
-            row0 = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
+        row0 = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
         mbarrier.wait(empty.index(0), ph)  # stage 0 own: columns 0–255 (warpgroup 0's P · V)
         for j in gl.static_range(4):
             _load_piece(desc, row0, kc.index(0), kp.index(0), ready, 0, j, nbytes)
@@ -408,7 +394,7 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, EARLY: gl.constexpr = 0, fr_ptr=None,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -434,15 +420,13 @@ def _mla_decode_ws_kernel(
         (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, EARLY, fr_ptr)),
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # registers: 12 warps (two consumer warpgroups and the loader's, rounded up to a warpgroup) × MAXNREG fill the
 # register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240
 MAXNREG = 168
-EARLY = 0  # A/B knob (al)
-FIRST_ROWS = None
 CONSUMER_REGS = 240
 
 
@@ -475,6 +459,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, EARLY=EARLY, fr_ptr=FIRST_ROWS if FIRST_ROWS is not None else sched, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
