@@ -501,7 +501,7 @@ def _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA: tl.const
 def _mla_merge_kernel(
     po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows, min_chunks,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0,
+    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
     chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks)), CHUNK_S partial rows
@@ -511,6 +511,8 @@ def _mla_merge_kernel(
     LONG_ENTRIES > 0 (a power of 2 ≥ the merge list's length): program_id(0) is the rank among the sequences of at
     least min_chunks chunks, not the entry, so that the grid has only as many as there can be (a grid over the whole
     list cost 9 µs of programs that only returned, H100 session q)."""
+    if USE_PDL:
+        gdc_wait()
     if LONG_ENTRIES > 0:
         listed, batch, first, n = _long_entry(sched_ptr, tl.program_id(0), min_chunks, LONG_ENTRIES)
     else:
@@ -662,6 +664,7 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
+GENERIC_MERGE_PDL = False  # A/B knob (al-4)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -935,7 +938,8 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.7 µs; behind the column-
     # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
     merge_pdl = (ws and split and not few_fused and pdl and MERGE_PDL
-                 and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
+                 and (GENERIC_MERGE_PDL or _rows_merge(batch * n_new * heads, splits, o.device, merge_rows,
+                                                       merge_after + 1)))
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     part_o, part_l, sched = o, lse, seq_lens  # not read without splits
     if split:
@@ -1031,5 +1035,5 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=4,
-    )
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, USE_PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
