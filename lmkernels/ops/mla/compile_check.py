@@ -121,7 +121,7 @@ def main(argv=None):
     mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
     for block_d, chunk_s in ((K.MERGE_BLOCK_D, 32), (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S),
                              (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S_FEW), (512, 16), (512, 32)):
-        mce = dict(BLOCK_S=K.MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False,
+        mce = dict(CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False,
                    LONG_ENTRIES=0)
         _show(f"mla merge, {block_d} columns × {chunk_s} splits a load",
               compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))

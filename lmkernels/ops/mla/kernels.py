@@ -490,18 +490,24 @@ def _weighted_partial(po_ptr, pl_ptr, row, m_safe, t_safe, d, row_ok, KV_LORA: t
 
 
 @triton.jit
-def _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA: tl.constexpr):
+def _merge_chunk(m, total, out, lbase, obase, s0, c, d, n, rows, KV_LORA: tl.constexpr):
+    """Partials s0 … s0 + CHUNK_S − 1 folded into (max, sum, output) under the online max: their LSEs and their
+    column block loaded in the same round (the LSEs first, then the block, was one trip to L2 more)."""
     ok = s0 + c < n
-    w = tl.exp(tl.load(lbase + (s0 + c) * rows, mask=ok, other=float("-inf")) - m_safe)
+    lse_s = tl.load(lbase + (s0 + c) * rows, mask=ok, other=float("-inf"))
     o_s = tl.load(obase + (s0 + c)[:, None] * rows * KV_LORA + d[None, :], mask=ok[:, None], other=0.0)
-    return out + tl.sum(o_s * w[:, None], 0)
+    m_new = tl.maximum(m, tl.max(lse_s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_s - m_safe)
+    return m_new, total * alpha + tl.sum(w, 0), out * alpha + tl.sum(o_s.to(tl.float32) * w[:, None], 0)
 
 
 @triton.jit
 def _mla_merge_kernel(
     po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows, min_chunks,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
     chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks)), CHUNK_S partial rows
@@ -511,8 +517,6 @@ def _mla_merge_kernel(
     LONG_ENTRIES > 0 (a power of 2 ≥ the merge list's length): program_id(0) is the rank among the sequences of at
     least min_chunks chunks, not the entry, so that the grid has only as many as there can be (a grid over the whole
     list cost 9 µs of programs that only returned, H100 session q)."""
-    if USE_PDL:
-        gdc_wait()
     if LONG_ENTRIES > 0:
         listed, batch, first, n = _long_entry(sched_ptr, tl.program_id(0), min_chunks, LONG_ENTRIES)
     else:
@@ -521,27 +525,24 @@ def _mla_merge_kernel(
         return
     r = tl.program_id(1)
     col = tl.program_id(2)
-    s = tl.arange(0, BLOCK_S)
     lbase = pl_ptr + first * rows + r
-    lse_s = tl.load(lbase + s * rows, mask=s < n, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_safe), 0)
     d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     c = tl.arange(0, CHUNK_S)
     obase = po_ptr + (first * rows + r) * KV_LORA
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
     out = tl.zeros([BLOCK_D], tl.float32)
     if INTERPRET:  # the interpreter cannot take tensor range() bounds
         s0 = 0
         while s0 < n:
-            out = _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA)
+            m, total, out = _merge_chunk(m, total, out, lbase, obase, s0, c, d, n, rows, KV_LORA)
             s0 += CHUNK_S
     else:
         for s0 in range(0, n, CHUNK_S):
-            out = _merge_chunk(out, lbase, obase, s0, c, d, n, m_safe, rows, KV_LORA)
-    out = out / tl.where(total == 0.0, 1.0, total)
-    tl.store(o_ptr + (batch * rows + r) * KV_LORA + d, out.to(o_ptr.dtype.element_ty))
-    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+            m, total, out = _merge_chunk(m, total, out, lbase, obase, s0, c, d, n, rows, KV_LORA)
+    t_safe = tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + (batch * rows + r) * KV_LORA + d, (out * (1.0 / t_safe)).to(o_ptr.dtype.element_ty))
+    lse = tl.where(total == 0.0, float("-inf"), tl.where(m == float("-inf"), 0.0, m) + tl.log(t_safe))
     if col == 0:
         tl.store(lse_ptr + batch * rows + r, lse)
 
@@ -664,7 +665,6 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
-GENERIC_MERGE_PDL = False  # A/B knob (al-4)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -938,8 +938,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.7 µs; behind the column-
     # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
     merge_pdl = (ws and split and not few_fused and pdl and MERGE_PDL
-                 and (GENERIC_MERGE_PDL or _rows_merge(batch * n_new * heads, splits, o.device, merge_rows,
-                                                       merge_after + 1)))
+                 and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     part_o, part_l, sched = o, lse, seq_lens  # not read without splits
     if split:
@@ -1034,6 +1033,6 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         long_entries = triton.next_power_of_2(entries)
         entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
-        part_o, part_l, sched, o, lse, rows, min_chunks, BLOCK_S=MAX_SPLITS, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, USE_PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}))
+        part_o, part_l, sched, o, lse, rows, min_chunks, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=4,
+    )
