@@ -665,6 +665,7 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
+MERGE_WARPS = 4  # A/B knob (al-8)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -1034,5 +1035,5 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=4,
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=MERGE_WARPS,
     )
