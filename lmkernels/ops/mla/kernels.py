@@ -670,7 +670,6 @@ PDL, TRITON_PDL = True, False
 # memory); H200 (benchmarks/NOTES.md, issue 6, al-8, al-9), against 4: 128 heads B=4 4k −8%, B=8 4k −12%, B=1 8k −11%,
 # B=1 32k −7%, 128 × 2 B=1 8k −9%, 16-head B=1 rows ±1%; 8 and 16 warps +27–100%
 MERGE_WARPS = 2
-MERGE_ROWS_WARPS = 4  # A/B knob (al-10)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -1021,7 +1020,7 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
-            part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=MERGE_ROWS_WARPS,
+            part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
         return
     chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
