@@ -1039,6 +1039,9 @@ MIN_CHUNK = 512  # keys per split when splitting only to spread one long sequenc
 MAX_SPLITS = 64
 
 
+DECODE_MERGE_WARPS = None  # A/B knob (al-13)
+
+
 def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_context: int, num_sms: int) -> int:
     """Splits of the key range: the larger of two needs, each program keeping ≥ 256 keys (short contexts:
     up to SHORT_SPLITS splits of ≥ 64 keys).
@@ -1188,7 +1191,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
             *out.stride()[:4], *out_lse.stride(), *o.stride()[:3], *(lse.stride() if return_lse else (0, 0, 0)),
             n_new, hq, max(left, 0), chunk_min,
             NUM_SPLITS=num_splits, STORE_LSE=return_lse, BLOCK_S=block_s, BLOCK_DV=triton.next_power_of_2(dv),
-            BLOCK_N=cfg["BLOCK_N"], num_warps=max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)),
+            BLOCK_N=cfg["BLOCK_N"], num_warps=DECODE_MERGE_WARPS or max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)),
             USE_PDL=pdl, **common, **launch,
         )
     return o, lse
