@@ -1039,7 +1039,12 @@ MIN_CHUNK = 512  # keys per split when splitting only to spread one long sequenc
 MAX_SPLITS = 64
 
 
-DECODE_MERGE_WARPS = None  # A/B knob (al-13)
+def decode_merge_warps(block_s: int, dv: int) -> int:
+    """Warps of _decode_merge_kernel: ~128 partial values a thread. Its [splits, dv] block lays the warps along the
+    splits, so each warp more is a sum crossing warps through shared memory; H200 (benchmarks/NOTES.md, session al,
+    al-13), B=1 d128 against block_s · dv / 1024 warps: 32 splits at 1 warp −4 to −5% a call (8k, 32/8, 64/8 and 8/1
+    heads), 64 splits at 2 −4% (32k), level at 2k."""
+    return max(1, min(8, block_s * triton.next_power_of_2(dv) // 4096))
 
 
 def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_context: int, num_sms: int) -> int:
@@ -1191,7 +1196,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, 
             *out.stride()[:4], *out_lse.stride(), *o.stride()[:3], *(lse.stride() if return_lse else (0, 0, 0)),
             n_new, hq, max(left, 0), chunk_min,
             NUM_SPLITS=num_splits, STORE_LSE=return_lse, BLOCK_S=block_s, BLOCK_DV=triton.next_power_of_2(dv),
-            BLOCK_N=cfg["BLOCK_N"], num_warps=DECODE_MERGE_WARPS or max(1, min(8, block_s * triton.next_power_of_2(dv) // 1024)),
+            BLOCK_N=cfg["BLOCK_N"], num_warps=decode_merge_warps(block_s, dv),
             USE_PDL=pdl, **common, **launch,
         )
     return o, lse
