@@ -259,6 +259,17 @@ def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
                                                 config=cfg), q_nope, q_pe, cache, tables, seq_lens)
 
 
+def test_generic_merge_sums_inside_each_thread():
+    """The generic merge kernel's sm_90 build, as merge_partials launches it (MERGE_WARPS a program), sums a row's
+    partials inside each thread: no shared memory for the sum. At 4 warps the [chunks, columns] block was split over
+    warps along the chunks and the sum crossed them through 1–4 KB of it, which cost 128 heads B=4 × 4k 8% of a call
+    and B=1 × 8k 11% (H200, NOTES, issue 6, session al)."""
+    C = "lmkernels.ops.mla.compile_check"
+    shapes = [(512, 16), (512, 32), (kernels.MERGE_BLOCK_D, 64), (kernels.MERGE_BLOCK_D, kernels.MERGE_CHUNK_S_FEW)]
+    for r in compile_in_fresh_process("[" + ", ".join(f"{C}.merge({d}, {s})" for d, s in shapes) + "]"):
+        assert r["smem_kb"] == 0 and r["stack"] == 0, r
+
+
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_warp_specialised_kernel_compiles_for_hopper():
     """The Gluon kernel has no interpreter path (the GPU check, `lmkernels check`, runs it against the reference):

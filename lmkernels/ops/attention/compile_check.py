@@ -114,12 +114,17 @@ def decode_persistent(d=128, rows=4, cache="bf16", cfg=None, batch=64):
     return compile_kernel(K._decode_persistent_kernel, types, ce, nw, ns)
 
 
-def other():
-    out = {}
+def decode_merge(splits=32, dv=128):
+    """The split-KV decode's merge kernel as decode launches it (decode_merge_warps a program)."""
     types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", len_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
-    out["decode merge, 32 splits, d128"] = compile_kernel(
-        K._decode_merge_kernel, types, dict(NUM_SPLITS=32, HAS_LEFT=False, STORE_LSE=True, HEAD_DV=128, BLOCK_S=32,
-                                            BLOCK_DV=128, BLOCK_N=64), 4, 1)
+    block_s, block_dv = triton.next_power_of_2(splits), triton.next_power_of_2(dv)
+    ce = dict(NUM_SPLITS=splits, HAS_LEFT=False, STORE_LSE=True, HEAD_DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
+              BLOCK_N=64, USE_PDL=True)
+    return compile_kernel(K._decode_merge_kernel, types, ce, K.decode_merge_warps(block_s, dv), 1)
+
+
+def other():
+    out = {"decode merge, 32 splits, d128": decode_merge()}
     for cache in ("bf16", "fp8e4nv"):
         types = dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*" + cache, vc_ptr="*" + cache, slot_ptr="*i64",
                      ks_ptr="*fp32", vs_ptr="*fp32")

@@ -99,6 +99,14 @@ def fp8(rows=16, split=True, dtype="bf16"):
     return compile_kernel(F._mla_decode_fp8_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=F.MAXNREG)
 
 
+def merge(block_d, chunk_s, partials="bf16"):
+    """The generic merge kernel as merge_partials launches it (MERGE_WARPS a program); partials: their dtype (the
+    Gluon kernels' are q's, the Triton kernel's fp32)."""
+    types = dict(po_ptr="*" + partials, pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
+    ce = dict(CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False, LONG_ENTRIES=0)
+    return compile_kernel(K._mla_merge_kernel, types, ce, K.MERGE_WARPS, 1)
+
+
 def main(argv=None):
     args = argv or sys.argv[1:]
     configs = [None]
@@ -118,13 +126,9 @@ def main(argv=None):
                     continue
                 _show(f"mla decode rows {rows} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} "
                       f"{cache}", r)
-    mtypes = dict(po_ptr="*fp32", pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
     for block_d, chunk_s in ((K.MERGE_BLOCK_D, 32), (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S),
                              (K.MERGE_BLOCK_D, K.MERGE_CHUNK_S_FEW), (512, 16), (512, 32)):
-        mce = dict(CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False,
-                   LONG_ENTRIES=0)
-        _show(f"mla merge, {block_d} columns × {chunk_s} splits a load",
-              compile_kernel(K._mla_merge_kernel, mtypes, mce, 4, 1))
+        _show(f"mla merge, {block_d} columns × {chunk_s} splits a load", merge(block_d, chunk_s))
     from . import schedule as S
 
     sce = dict(BLOCK_N=64, MAX_CHUNKS=S.MAX_CHUNKS, SEQ_BLOCK=S.SEQ_BLOCK, K=S.CANDIDATES)
