@@ -260,7 +260,7 @@ def test_decode_merge_paths(monkeypatch, fused, merge_rows, splits):
 
 
 def test_generic_merge_sums_inside_each_thread():
-    """The generic merge kernel's sm_90 build, as merge_partials launches it (MERGE_WARPS a program), sums a row's
+    """The generic merge kernel's sm_90 build, as merge_partials launches it (merge_warps a program), sums a row's
     partials inside each thread: no shared memory for the sum. At 4 warps the [chunks, columns] block was split over
     warps along the chunks and the sum crossed them through 1–4 KB of it, which cost 128 heads B=4 × 4k 8% of a call
     and B=1 × 8k 11% (H200, NOTES, issue 6, session al)."""

@@ -100,11 +100,11 @@ def fp8(rows=16, split=True, dtype="bf16"):
 
 
 def merge(block_d, chunk_s, partials="bf16"):
-    """The generic merge kernel as merge_partials launches it (MERGE_WARPS a program); partials: their dtype (the
+    """The generic merge kernel as merge_partials launches it (merge_warps a program); partials: their dtype (the
     Gluon kernels' are q's, the Triton kernel's fp32)."""
     types = dict(po_ptr="*" + partials, pl_ptr="*fp32", sched_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32")
     ce = dict(CHUNK_S=chunk_s, KV_LORA=512, BLOCK_D=block_d, INTERPRET=False, LONG_ENTRIES=0)
-    return compile_kernel(K._mla_merge_kernel, types, ce, K.MERGE_WARPS, 1)
+    return compile_kernel(K._mla_merge_kernel, types, ce, K.merge_warps(block_d, chunk_s), 1)
 
 
 def main(argv=None):

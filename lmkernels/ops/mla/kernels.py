@@ -665,11 +665,6 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
-# the generic merge kernel's warps a program: 2 keep a program's sum over its partials inside each thread (at 4 and
-# more, the [chunks, columns] block is split over warps along the chunks, and the sum crosses them through shared
-# memory); H200 (benchmarks/NOTES.md, issue 6, al-8, al-9), against 4: 128 heads B=4 4k −8%, B=8 4k −12%, B=1 8k −11%,
-# B=1 32k −7%, 128 × 2 B=1 8k −9%, 16-head B=1 rows ±1%; 8 and 16 warps +27–100%
-MERGE_WARPS = 2
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -1002,6 +997,16 @@ def _rows_merge(all_rows, splits, device, rows_kernel=None, min_chunks=2) -> boo
     return rows_kernel and min_chunks <= 2
 
 
+def merge_warps(block_d: int, chunk_s: int) -> int:
+    """Warps of a generic merge program: as few as keep a row's sum over its partials inside each thread. Whole rows
+    (512 columns) take 2, each warp 256 columns; at 4 and more the [chunks, columns] block was split over warps along
+    the chunks and the sum crossed them through shared memory. 64-column blocks take 1 warp up to 64 partials (~128
+    values a thread), 2 above (1 would hold 255 registers). H200 (benchmarks/NOTES.md, issue 6, session al): 2 warps
+    against 4, al-9: 128 heads B=4 × 4k −8%, B=8 × 4k −12%, B=1 × 8k −11%, B=1 × 32k −7%; 1 against 2 on 64 columns ×
+    64 partials, al-14: 128 heads B=1 × 8k −2.4%, × 32k −1.4%, and +11% at 16 heads' 128 partials."""
+    return 2 if block_d == KV_LORA or chunk_s > 64 else 1
+
+
 def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2, pdl=False,
                    max_chunks=None):
     """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
@@ -1039,5 +1044,6 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         entries = max(1, min(entries, (part_o.shape[0] - batch) // (min_chunks - 1)))
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
-        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries, num_warps=MERGE_WARPS,
+        BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries,
+        num_warps=merge_warps(block_d, chunk_s),
     )
