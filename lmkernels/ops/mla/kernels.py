@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ..._utils import dram_gbps_per_sm, gdc_launch_dependents, gdc_wait, interpreting, pdl_enabled, sm_count
 from ..attention.kernels import _counters, _ensure_allocator, _round_to_e4m3  # split counters; descriptor scratch; e4m3
-from .schedule import (MAX_CHUNKS, PROGRAM_ROW_VALUES, RANGE_BLOCK, SCHEDULE_ROW, SWITCH_TILES, build_schedule,
+from .schedule import (PROGRAM_ROW_VALUES, RANGE_BLOCK, SCHEDULE_ROW, SWITCH_TILES, build_schedule,
                        merge_entries, program_rows, schedule_size)
 
 LOG2E = 1.4426950408889634
@@ -622,7 +622,6 @@ SMALL_MIN_KEYS = 128  # … unless that leaves under half a program per SM: then
 # heads B=1 8k at 64 splits −5% against 32, where 256 had been faster in session q)
 SHORT_SPLITS = 32  # … and at least this many splits of ≥ 32 keys (short contexts)
 AUTO_MAX_SPLITS = 128  # at most this many (256 was 20% slower than 128 at B=1, 32k)
-MAX_SPLITS = MAX_CHUNKS  # what the merge takes (an explicit num_splits; chunks of one sequence)
 # merge tile: with few rows (B=1) 8 column blocks of 64 × up to MERGE_CHUNK_S splits per load (32, or 64 for more
 # than 32 splits), so that more programs share the reads, and where a sequence's rows × column blocks are at most
 # two programs an SM (16 or 32 rows) 128 splits per load, one round for up to 128 chunks; with ≥ 2 rows per SM
