@@ -45,18 +45,16 @@ def _bf16_cache_types(dtype):
                 qk_scale="fp32")
 
 
-def ws(split=True, dtype="bf16", grid_merge=0):
+def ws(split=True, dtype="bf16"):
     """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, the merge kernel's launch
-    triggered late, as mla_decode gives them on Hopper; grid_merge > 0: instead merging that many chunks a sequence
-    after a grid barrier."""
+    triggered late, as mla_decode gives them on Hopper."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
 
-    types = dict(_bf16_cache_types(dtype), cnt_ptr="*i32")
+    types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split and not grid_merge,
-              GRID_MERGE=bool(grid_merge), **W.grid_merge_tile(grid_merge or 2))
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 

@@ -665,7 +665,6 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
-GRID_MERGE = True  # the 64-row Gluon kernel merging after a grid barrier (mla_decode; A/B knob for now)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
 # ≥ 4 tiles, and a range may cut one more); the merge kernel otherwise
@@ -937,11 +936,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
     # the whole-rows merge behind the Gluon kernel launches with PDL, released once every decode program has issued
     # its last load (its launch hides under their last tiles: 128 heads B=32 1k 36.6 → 35.7 µs; behind the column-
     # block merge of B=1 it cost 1–3 µs, NOTES, issue 6, session u)
-    # the 64-row Gluon kernel merges its partials itself where its programs all fit on the GPU at once (a cooperative
-    # launch): every program takes a share of them after a grid barrier, so no merge kernel follows (GRID_MERGE)
-    grid_merge = (GRID_MERGE and ws and split and not fp8 and n_new * heads > _few_rows()
-                  and not seesaw_t_rows(n_new * heads, cache) and m_blocks * slots <= sm_count(o.device))
-    merge_pdl = (ws and split and not few_fused and not grid_merge and pdl and MERGE_PDL
+    merge_pdl = (ws and split and not few_fused and pdl and MERGE_PDL
                  and _rows_merge(batch * n_new * heads, splits, o.device, merge_rows, merge_after + 1))
     sstr = (cache_scales.stride(0), cache_scales.stride(1)) if fp8 else (0, 0)
     part_o, part_l, sched = o, lse, seq_lens  # not read without splits
@@ -970,7 +965,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         elif seesaw_t_rows(n_new * heads, cache):
             mla_decode_seesaw_t(*args, programs=programs)
         else:
-            mla_decode_ws(*args, grid_merge=(_counters(o.device, 1), splits) if grid_merge else None)
+            mla_decode_ws(*args)
     else:
         counters = _counters(o.device, batch * m_blocks) if fused else None
         _mla_decode_kernel[(m_blocks, programs or slots)](
@@ -981,7 +976,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
             KV_LORA=KV_LORA, ROPE=ROPE, INTERPRET=interpreting(), FUSED_MERGE=fused, USE_PDL=pdl, RANGES=programs > 0,
             MERGE_AFTER=merge_after, **cfg, **({"launch_pdl": True} if pdl else {}),
         )
-    if split and not few_fused and not grid_merge and (merge_after or not fused):
+    if split and not few_fused and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
                        pdl=merge_pdl, max_chunks=most_chunks)
     return o, lse

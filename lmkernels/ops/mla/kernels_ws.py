@@ -388,105 +388,13 @@ def _seesaw_barriers():
 
 
 @gluon.jit
-def _grid_barrier(cnt_ptr):
-    """Every program of the launch waits here until all have arrived (a cooperative launch: all are resident). One
-    arrival a program, after a barrier of its warps, so that its release covers what they stored; each program then
-    adds a departure, and the last of those sets the counter back to 0 (no program can still be waiting on it by
-    then), so the counter is zero before and after every launch."""
-    programs = gl.num_programs(0) * gl.num_programs(1)
-    gl.thread_barrier()
-    gl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    while gl.atomic_add(cnt_ptr, 0, sem="acquire") < programs:
-        pass
-    if gl.atomic_add(cnt_ptr, 1, sem="relaxed") == 2 * programs - 1:
-        gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-
-
-@gluon.jit
-def _grid_merge(po_ptr, pl_ptr, list_ptr, o_ptr, lse_ptr, rows, KV_LORA: gl.constexpr, S: gl.constexpr,
-                S_LANES: gl.constexpr, R: gl.constexpr, R_WARPS: gl.constexpr):
-    """After the grid barrier, every program merges a share of the partials: the items (entry of the merge list,
-    R rows, BLOCK_D columns) go round the programs. An item is an [R, S, BLOCK_D] block a round of S partials
-    (more under an online max), laid out so that the sum over the partials stays inside each thread (S_LANES lanes
-    share a row's partials: a shuffle, no shared memory); ~128 values a thread."""
-    D_LANES: gl.constexpr = 32 // S_LANES
-    D_WARPS: gl.constexpr = 4 // R_WARPS
-    BLOCK_D: gl.constexpr = 8 * D_LANES * D_WARPS
-    COL_BLOCKS: gl.constexpr = KV_LORA // BLOCK_D
-    tile: gl.constexpr = gl.BlockedLayout([1, S // S_LANES, 8], [1, S_LANES, D_LANES], [R_WARPS, 1, D_WARPS],
-                                          [2, 1, 0])
-    # LSEs, weights and sums in [R, S] / [R] (a [R, S, 1] tensor of `tile` would repeat them for each column a thread
-    # holds), the output in [R, BLOCK_D]
-    rs: gl.constexpr = gl.SliceLayout(2, tile)
-    rd: gl.constexpr = gl.SliceLayout(1, tile)
-    r_s = gl.arange(0, R, layout=gl.SliceLayout(1, rs))
-    s_s = gl.arange(0, S, layout=gl.SliceLayout(0, rs))
-    r_d = gl.arange(0, R, layout=gl.SliceLayout(1, rd))
-    d_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, rd))
-    d3 = gl.expand_dims(gl.expand_dims(d_d, 0), 1)
-    programs = gl.num_programs(0) * gl.num_programs(1)
-    per_entry = (rows + R - 1) // R * COL_BLOCKS
-    items = gl.load(list_ptr) * per_entry
-    for item in range(gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), items, programs):
-        entry = item // per_entry
-        block = item % per_entry
-        seq = gl.load(list_ptr + 1 + 3 * entry).to(gl.int64)
-        first = gl.load(list_ptr + 2 + 3 * entry).to(gl.int64)
-        n = gl.load(list_ptr + 3 + 3 * entry)
-        r0 = block // COL_BLOCKS * R
-        c0 = block % COL_BLOCKS * BLOCK_D
-        row_ok = r0 + r_s < rows
-        if n >= 2:  # a sequence of one chunk: the decode wrote its o
-            m = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, rs))
-            total = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, rs))
-            out = gl.zeros([R, BLOCK_D], gl.float32, layout=rd)
-            for s0 in range(0, n, S):
-                ok = row_ok[:, None] & (s0 + s_s < n)[None, :]
-                part = (first + s0 + s_s)[None, :] * rows + (r0 + r_s)[:, None]
-                lse_s = gl.load(pl_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                o_s = gl.load(po_ptr + (c0 + gl.expand_dims(part * KV_LORA, 2) + d3), mask=gl.expand_dims(ok, 2),
-                              other=0.0, cache_modifier=".cg")
-                m_new = gl.maximum(m, gl.reduce(lse_s, 1, _maximum))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp(m - m_safe)
-                w = gl.exp(lse_s - m_safe[:, None])
-                total = total * alpha + gl.reduce(w, 1, _add)
-                out = (out * gl.convert_layout(alpha, gl.SliceLayout(1, rd))[:, None]
-                       + gl.reduce(o_s.to(gl.float32) * gl.expand_dims(w, 2), 1, _add))
-                m = m_new
-            t_safe = gl.where(total == 0.0, 1.0, total)
-            dst = seq * rows + r0
-            o_val = out * gl.convert_layout(1.0 / t_safe, gl.SliceLayout(1, rd))[:, None]
-            gl.store(o_ptr + (dst + r_d)[:, None] * KV_LORA + c0 + d_d[None, :], o_val.to(o_ptr.dtype.element_ty),
-                     mask=(r0 + r_d < rows)[:, None])
-            lse = gl.where(total == 0.0, float("-inf"), gl.where(m == float("-inf"), 0.0, m) + gl.log(t_safe))
-            gl.store(lse_ptr + dst + r_s, lse, mask=row_ok & (c0 == 0))
-
-
-VALUES = 128
-
-
-def grid_merge_tile(chunks: int) -> dict:
-    """_grid_merge's constexprs for sequences of up to `chunks` chunks: S partials a round (their power of 2, 2 … 64),
-    S_LANES lanes sharing them (8 partials a lane at most), the warps over columns as far as 512 reach, the rest over
-    rows, and R rows an item so that a thread holds 128 values."""
-    s = min(64, max(2, triton.next_power_of_2(chunks)))
-    s_lanes = max(1, s // 8)
-    d_warps = min(4, 512 // (8 * (32 // s_lanes)))
-    r_warps = 4 // d_warps
-    return dict(MERGE_S=s, MERGE_S_LANES=s_lanes, MERGE_R=r_warps * max(1, VALUES // (8 * s // s_lanes)),
-                MERGE_R_WARPS=r_warps)
-
-
-@gluon.jit
 def _mla_decode_ws_kernel(
-    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr, cnt_ptr,
+    qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, GRID_MERGE: gl.constexpr = False, MERGE_S: gl.constexpr = 2,
-    MERGE_S_LANES: gl.constexpr = 1, MERGE_R: gl.constexpr = 16, MERGE_R_WARPS: gl.constexpr = 2,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -514,10 +422,6 @@ def _mla_decode_ws_kernel(
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
                    LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
-    if GRID_MERGE:  # a cooperative launch: all partials stored, then every program merges a share
-        _grid_barrier(cnt_ptr)
-        _grid_merge(po_ptr, pl_ptr, sched_ptr + SCHEDULE_ROW * gl.num_programs(1), o_ptr, lse_ptr, n_new * heads,
-                    KV_LORA, MERGE_S, MERGE_S_LANES, MERGE_R, MERGE_R_WARPS)
 
 
 # registers: 12 warps (two consumer warpgroups and the loader's, rounded up to a warpgroup) × MAXNREG fill the
@@ -544,19 +448,17 @@ def supported(cache):
 
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
-                  pdl=False, merge_pdl=False, grid_merge=None):
+                  pdl=False, merge_pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
     [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
     (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
-    counter, chunks = grid_merge or (seq_lens, 0)
     _mla_decode_ws_kernel[(m_blocks, slots)](
-        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, counter,
+        q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
-        **(dict(GRID_MERGE=True, launch_cooperative_grid=True, **grid_merge_tile(chunks)) if grid_merge else {}),
     )
