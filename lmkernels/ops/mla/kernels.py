@@ -586,11 +586,14 @@ def _merge_round(m, total, out, po_ptr, pl_ptr, part, ok, KV_LORA: tl.constexpr)
 
 @triton.jit
 def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
-                           ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           ROWS: tl.constexpr, S: tl.constexpr, KV_LORA: tl.constexpr, USE_PDL: tl.constexpr = False,
+                           EARLY_TRIGGER: tl.constexpr = False):
     """ROWS whole rows (new token × head) of one sequence (an entry of the merge list, as _mla_merge_kernel), S of
     its chunks' partials at once (all of them in a uniform batch: every load is issued in one round; the one-row
     kernel walks the chunks in dependent steps), more in further rounds under an online max. USE_PDL: launched
     with programmatic dependent launch behind the Gluon decode kernel: wait for its partials."""
+    if EARLY_TRIGGER:
+        gdc_launch_dependents()
     if USE_PDL:
         gdc_wait()
     listed, batch, first, n = _merge_entry(sched_ptr, tl.program_id(0))
@@ -664,6 +667,7 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
+MERGE_EARLY_TRIGGER = False  # A/B knob (an-2)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -1025,6 +1029,7 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
+            EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER,
             **({"launch_pdl": True} if pdl else {}))
         return
     chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
