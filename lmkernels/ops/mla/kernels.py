@@ -507,7 +507,7 @@ def _merge_chunk(m, total, out, lbase, obase, s0, c, d, n, rows, KV_LORA: tl.con
 def _mla_merge_kernel(
     po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows, min_chunks,
     CHUNK_S: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0,
+    INTERPRET: tl.constexpr, LONG_ENTRIES: tl.constexpr = 0, EARLY_TRIGGER: tl.constexpr = False,
 ):
     """BLOCK_D columns of one (sequence, row = new token × head): o = Σ_j e^(lse_j − lse) o_j over the sequence's
     chunks (entry program_id(0) of the merge list sched_ptr: (sequence, first chunk, chunks)), CHUNK_S partial rows
@@ -516,7 +516,9 @@ def _mla_merge_kernel(
     merge reads up to 256 partials × 2 KB per row, and 16 heads alone would leave the GPU nearly idle.
     LONG_ENTRIES > 0 (a power of 2 ≥ the merge list's length): program_id(0) is the rank among the sequences of at
     least min_chunks chunks, not the entry, so that the grid has only as many as there can be (a grid over the whole
-    list cost 9 µs of programs that only returned, H100 session q)."""
+    list cost 9 µs of programs that only returned, H100 session q). EARLY_TRIGGER: as _mla_merge_rows_kernel."""
+    if EARLY_TRIGGER:
+        gdc_launch_dependents()
     if LONG_ENTRIES > 0:
         listed, batch, first, n = _long_entry(sched_ptr, tl.program_id(0), min_chunks, LONG_ENTRIES)
     else:
@@ -667,7 +669,8 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
-MERGE_EARLY_TRIGGER = False  # A/B knob (an-2)
+MERGE_EARLY_TRIGGER = True  # A/B knob (an-2)
+MERGE_EARLY_TRIGGER_COLS = False  # A/B knob (an-3)
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -982,7 +985,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         )
     if split and not few_fused and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
-                       pdl=merge_pdl, max_chunks=most_chunks)
+                       pdl=merge_pdl, max_chunks=most_chunks, release=pdl and MERGE_EARLY_TRIGGER)
     return o, lse
 
 
@@ -1011,7 +1014,7 @@ def merge_warps(block_d: int, chunk_s: int) -> int:
 
 
 def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_chunks=2, pdl=False,
-                   max_chunks=None):
+                   max_chunks=None, release=False):
     """The separate merge: partials part_o [slots, Q, H, 512], part_l [slots, Q, H] of the sequences in the merge
     list sched (the schedule's) of at least min_chunks chunks → o, lse. Whole rows × `splits` (the typical chunk
     count) partials per load where there are many rows and few splits (rows_kernel: force either kernel), else one
@@ -1029,7 +1032,7 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
             part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
-            EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER,
+            EARLY_TRIGGER=release,
             **({"launch_pdl": True} if pdl else {}))
         return
     chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
@@ -1049,5 +1052,5 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
         BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries,
-        num_warps=merge_warps(block_d, chunk_s),
+        EARLY_TRIGGER=release and MERGE_EARLY_TRIGGER_COLS, num_warps=merge_warps(block_d, chunk_s),
     )

@@ -32,8 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait
 from .kernels_fp8 import _epilogue, _q_rows, _scores_exchanged, _softmax_t, _tile_row
-from . import kernels_ws as _ws
-from .kernels_ws import _add, _prefetch_first_tiles, _slot_chunk
+from .kernels_ws import _add, _slot_chunk
 from .schedule import PROGRAM_ROW, ROW, program_rows
 
 BLOCK_N = 64  # keys per tile: the M of the score wgmma
@@ -300,15 +299,12 @@ def _mla_decode_few_kernel(
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr, RANGES: gl.constexpr = False,
     PROGRAM_ROW: gl.constexpr = 8, USE_PDL: gl.constexpr = False, LATE_TRIGGER: gl.constexpr = False,
-    FUSED: gl.constexpr = False, c_ptr=None, n_rows=0, stride_cr=0, bt_size=0, PREFETCH: gl.constexpr = 0,
+    FUSED: gl.constexpr = False,
 ):
     """Program p takes its slot (a chunk, kernels_ws.py's schedule) or, RANGES (a launch of programs, schedule.py),
     the slots its row of prog_ptr names: chunks, or its range of the batch's key tiles cut at sequence ends, one
     after another in one pipeline. FUSED: pieces of a sequence cut in several merge here (_merge_if_last; cnt_ptr
     the zeroed counters, two a sequence), else in the merge kernel after this one."""
-    if PREFETCH > 0:
-        _prefetch_first_tiles((c_ptr, n_rows, stride_cr), bt_ptr, stride_bt, bt_size, len_ptr, sched_ptr, prog_ptr,
-                              page_size, SPLIT, RANGES, SCHEDULE_ROW, PROGRAM_ROW, BLOCK_N, PREFETCH)
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
         if not LATE_TRIGGER:
@@ -372,19 +368,18 @@ _PIECE_LAYOUTS = {cols: gl.NVMMASharedLayout(swizzle_byte_width=2 * cols, elemen
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-                    qk_scale, slots, pdl, merge_pdl, programs, **kernel_args):
+                    qk_scale, slots, pdl, merge_pdl, programs, m_blocks=1, **kernel_args):
     """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too; descs: its cache
-    descriptors) over (1, slots), one chunk a program, or over (1, programs), a launch of programs (programs > 0:
-    schedule.py); kernel_args: the rows and the kernel's own arguments and constexprs."""
+    descriptors) over (m_blocks, slots), one chunk a program, or over (m_blocks, programs), a launch of programs
+    (programs > 0: schedule.py); kernel_args: the rows and the kernel's own arguments and constexprs."""
     batch, n_new, heads, _ = q_nope.shape
-    kernel[(1, programs or slots)](
+    kernel[(m_blocks, programs or slots)](
         q_nope, q_pe, *descs, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,
         SPLIT=slots > batch or programs > 0, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_N=BLOCK_N,
         RANGES=programs > 0, PROGRAM_ROW=PROGRAM_ROW, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4,
-        maxnreg=MAXNREG, c_ptr=cache, n_rows=cache.shape[0] * cache.shape[1], stride_cr=cache.stride(1),
-        bt_size=block_tables.numel(), PREFETCH=_ws.PREFETCH if pdl else 0, **kernel_args,
+        maxnreg=MAXNREG, **kernel_args,
         **({"launch_pdl": True} if pdl else {}),
     )
 

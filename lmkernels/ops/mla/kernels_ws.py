@@ -37,7 +37,6 @@ from ..._utils import gdc_launch_dependents, gdc_wait
 from .schedule import ROW
 
 BLOCK_M = 64
-PREFETCH = 0  # A/B knob (an-2): first tiles asked of L2 before the wait
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -372,42 +371,6 @@ def _slot_chunk(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.
 
 
 @gluon.jit
-def _prefetch_first_tiles(cache_args, bt_ptr, stride_bt, bt_size, len_ptr, sched_ptr, prog_ptr, page_size,
-                          SPLIT: gl.constexpr, RANGES: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                          PROGRAM_ROW: gl.constexpr, BLOCK: gl.constexpr, TILES: gl.constexpr):
-    """Before griddepcontrol.wait (the kernel before may still run): ask L2 for this program's first TILES tiles, so
-    that its first TMA loads after the wait find them there while the DRAM would otherwise idle. The schedule and
-    block table read here may be stale (the kernel before may write them): each value is bounds-checked and only
-    picks what to prefetch, which changes no result (L2 is coherent; the reads bypass L1); after the wait the
-    loader reads them again."""
-    c_ptr, n_rows, stride_cr = cache_args
-    p = gl.program_id(1)
-    if RANGES:
-        row = prog_ptr + p * PROGRAM_ROW + 2  # its first slot's row
-    else:
-        row = sched_ptr + p * SCHEDULE_ROW
-    if SPLIT or RANGES:
-        seq = gl.load(row, cache_modifier=".cg")
-        start = gl.load(row + 2, cache_modifier=".cg")
-        end = gl.load(row + 3, cache_modifier=".cg")
-    else:
-        seq = p
-        start = 0
-        end = gl.load(len_ptr + p, cache_modifier=".cg")
-    for t in gl.static_range(TILES):
-        key = start + t * BLOCK
-        entry = seq.to(gl.int64) * stride_bt + key // page_size
-        if (seq >= 0) & (key >= 0) & (key < end) & (entry < bt_size):
-            crow = gl.load(bt_ptr + entry, cache_modifier=".cg").to(gl.int64) * page_size + key % page_size
-            if (crow >= 0) & (crow + BLOCK <= n_rows):
-                gl.inline_asm_elementwise(
-                    "{ .reg .b32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [c_ptr + crow * stride_cr, BLOCK * stride_cr * (c_ptr.dtype.element_ty.primitive_bitwidth // 8)],
-                    dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _seesaw_barriers():
     """The seesaw's barriers, initialised: ready (a piece of a stage landed), empty (a stage's half given back: stage
     · 2 + (its scoring warpgroup's columns, the other's)) and bar_m (m0 + P0, m1 + P1, the final l: both)."""
@@ -431,11 +394,8 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, bt_size=0, PREFETCH: gl.constexpr = 0,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
-    if PREFETCH > 0:
-        _prefetch_first_tiles((c_ptr, n_rows, stride_cr), bt_ptr, stride_bt, bt_size, len_ptr, sched_ptr, sched_ptr,
-                              page_size, SPLIT, False, SCHEDULE_ROW, 8, BLOCK_N, PREFETCH)
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
         if not LATE_TRIGGER:
@@ -500,6 +460,5 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
-        bt_size=block_tables.numel(), PREFETCH=PREFETCH if pdl else 0,
         **({"launch_pdl": True} if pdl else {}),
     )
