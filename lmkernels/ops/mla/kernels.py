@@ -593,7 +593,8 @@ def _mla_merge_rows_kernel(po_ptr, pl_ptr, sched_ptr, o_ptr, lse_ptr, rows,
     """ROWS whole rows (new token × head) of one sequence (an entry of the merge list, as _mla_merge_kernel), S of
     its chunks' partials at once (all of them in a uniform batch: every load is issued in one round; the one-row
     kernel walks the chunks in dependent steps), more in further rounds under an online max. USE_PDL: launched
-    with programmatic dependent launch behind the Gluon decode kernel: wait for its partials."""
+    with programmatic dependent launch behind the Gluon decode kernel: wait for its partials. EARLY_TRIGGER: release
+    the next kernel's launch at the start (MERGE_RELEASE)."""
     if EARLY_TRIGGER:
         gdc_launch_dependents()
     if USE_PDL:
@@ -669,8 +670,13 @@ MAX_FUSED_SPLITS = tl.constexpr(FUSED_MAX_SPLITS)
 # a kernel that leaves SMs idle they ran as if placed two to an SM: 16 heads B=100 1k 55.1 µs without PDL, 70.2
 # with it; B=70 8k in call mode 285 against 328 µs; PDL gained 0.3–1.7% on the suite's rows (B=32 1k 24.1 → 23.7)
 PDL, TRITON_PDL = True, False
-MERGE_EARLY_TRIGGER = True  # A/B knob (an-2)
-MERGE_EARLY_TRIGGER_COLS = False  # A/B knob (an-3)
+# the merge kernels after a Gluon decode release the next kernel's launch (griddepcontrol.launch_dependents) at their
+# start, so that the next decode's programs are placed as SMs free up rather than once the whole merge grid has
+# exited (they still wait for the merge to complete before reading anything; they can be placed only once every
+# merge program has started, so they take no SM the merge still needs). H200 A/Bs (NOTES, issue 6, session an):
+# whole-rows merge 16 × 2 B=32 8k −1.0%, B=32 1k −5%, 16 heads B=32 8k −1.0%; column-block merge 128 heads B=1 1k /
+# 8k / 32k −7.3 / −4.5 / −2.3%, B=4 1k / 4k −8.8 / −3.1%, 16 heads B=1 32k −5.1%, 16 × 2 B=1 8k −7.3%
+MERGE_RELEASE = True
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
 # merges them) where no sequence can be cut into more than this many pieces (contexts up to 1k: chunks and ranges are
@@ -985,7 +991,7 @@ def mla_decode(q_nope, q_pe, cache, cache_scales, block_tables, seq_lens, scale,
         )
     if split and not few_fused and (merge_after or not fused):
         merge_partials(part_o, part_l, sched[SCHEDULE_ROW * slots:], o, lse, splits, merge_rows, merge_after + 1,
-                       pdl=merge_pdl, max_chunks=most_chunks, release=pdl and MERGE_EARLY_TRIGGER)
+                       pdl=merge_pdl, max_chunks=most_chunks, release=pdl and MERGE_RELEASE)
     return o, lse
 
 
@@ -1022,7 +1028,8 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
     (the long sequences the decode kernel's in-kernel merge left: whole rows there were as slow as that merge,
     session q) and for few rows, unless a sequence has so few chunks (max_chunks: the most the plan allows) that
     whole rows take them in one round (MERGE_WHOLE_ROWS_16, _32); whole rows otherwise, up to MERGE_ROUND partials a
-    round. pdl: the whole-rows kernel launched with programmatic dependent launch (mla_decode)."""
+    round. pdl: the whole-rows kernel launched with programmatic dependent launch (mla_decode); release: either
+    kernel releases the next kernel's launch at its start (MERGE_RELEASE)."""
     batch, n_new, heads, _ = o.shape
     rows = n_new * heads
     entries = merge_entries(batch, part_o.shape[0])
@@ -1052,5 +1059,5 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
     _mla_merge_kernel[(entries, rows, KV_LORA // block_d)](
         part_o, part_l, sched, o, lse, rows, min_chunks, CHUNK_S=chunk_s, KV_LORA=KV_LORA,
         BLOCK_D=block_d, INTERPRET=interpreting(), LONG_ENTRIES=long_entries,
-        EARLY_TRIGGER=release and MERGE_EARLY_TRIGGER_COLS, num_warps=merge_warps(block_d, chunk_s),
+        EARLY_TRIGGER=release, num_warps=merge_warps(block_d, chunk_s),
     )
