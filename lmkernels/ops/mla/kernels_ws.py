@@ -33,18 +33,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..._utils import gdc_launch_dependents, gdc_wait, sm_count
+from ..._utils import gdc_launch_dependents, gdc_wait
 from .schedule import ROW
 
 BLOCK_M = 64
-PERSISTENT = False  # A/B knob (an-5)
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_q(ctx, rows_args, phase, HALF_IDX: gl.constexpr):
+def _load_q(ctx, rows_args, HALF_IDX: gl.constexpr):
     """q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat
     (warpgroup 0 also q_pe), all loads issued before the first store (one round trip), while the loader's first
     tiles are on their way; then wait for the other warpgroup's half."""
@@ -66,7 +65,7 @@ def _load_q(ctx, rows_args, phase, HALF_IDX: gl.constexpr):
     q_smem.slice(HALF_IDX * HALF, HALF, dim=1).store(qn)
     fence_async_shared()
     mbarrier.arrive(q_bar)
-    mbarrier.wait(q_bar, phase)
+    mbarrier.wait(q_bar, 0)
 
 
 @gluon.jit
@@ -107,7 +106,7 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 @gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, PERSISTENT: gl.constexpr):
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
@@ -116,33 +115,13 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
     desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
-    if PERSISTENT:  # the program's slots one after another (mla_decode_ws): the stages' uses carry over
-        uses0 = 0
-        uses1 = 0
-        for slot in range(gl.program_id(1), slot_args[2], slot_args[3]):
-            uses0, uses1 = _load_slot(desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, slot, uses0, uses1,
-                                      page_size, SPLIT, SCHEDULE_ROW)
-    else:
-        _load_slot(desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, gl.program_id(1), 0, 0, page_size,
-                   SPLIT, SCHEDULE_ROW)
-    if LATE_TRIGGER:  # every load issued: the kernel after this one (the merge) may launch
-        gdc_launch_dependents()
-
-
-@gluon.jit
-def _load_slot(desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, slot, uses0, uses1, page_size,
-               SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
-    """The tiles of one slot (_loader); uses0 / uses1: the times stage 0 / 1 was filled before (their barriers'
-    phases). Returns them after this slot."""
-    BLOCK_N: gl.constexpr = kc.shape[1]
-    nbytes: gl.constexpr = BLOCK_N * 64 * kc.dtype.primitive_bitwidth // 8
-    sched_ptr, len_ptr = slot_args[0], slot_args[1]
-    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
+    nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
+    sched_ptr, len_ptr = slot_args
+    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
     n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)  # a spare slot: none
     bt_row = bt_ptr + gl.maximum(seq, 0).to(gl.int64) * stride_bt
     for k in range((n_tiles + 1) // 2):
-        ph = ((uses0 + k) & 1) ^ 1  # fresh barriers count as released
-        ph1 = ((uses1 + k) & 1) ^ 1
+        ph = (k & 1) ^ 1  # fresh barriers count as released
         n0 = start + 2 * k * BLOCK_N
         row0 = gl.load(bt_row + n0 // page_size).to(gl.int32) * page_size + n0 % page_size
         mbarrier.wait(empty.index(0), ph)  # stage 0 own: columns 0–255 (warpgroup 0's P · V)
@@ -154,14 +133,15 @@ def _load_slot(desc, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, slot, u
         if 2 * k + 1 < n_tiles:
             n1 = n0 + BLOCK_N
             row1 = gl.load(bt_row + n1 // page_size).to(gl.int32) * page_size + n1 % page_size
-            mbarrier.wait(empty.index(3), ph1)  # stage 1 other: columns 0–255 and the k_pe / P slot
+            mbarrier.wait(empty.index(3), ph)  # stage 1 other: columns 0–255 and the k_pe / P slot
             for j in gl.static_range(4):
                 _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
             _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, 8, nbytes)
-            mbarrier.wait(empty.index(2), ph1)  # stage 1 own: columns 256–511 (warpgroup 1's P · V)
+            mbarrier.wait(empty.index(2), ph)  # stage 1 own: columns 256–511 (warpgroup 1's P · V)
             for j in gl.static_range(4, 8):
                 _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
-    return uses0 + (n_tiles + 1) // 2, uses1 + n_tiles // 2
+    if LATE_TRIGGER:  # every load issued: the kernel after this one (the merge) may launch
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -217,37 +197,20 @@ def _zero_tail(v, n0, end):
 
 @gluon.jit
 def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              SCHEDULE_ROW: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The program's slot, or (PERSISTENT) its slots one after another, the barriers' phases carried over: the
-    loader fills the stages with the next slot's first tiles while this one's o goes out."""
-    if PERSISTENT:
-        uses0 = 0
-        uses1 = 0
-        items = 0
-        for slot in range(gl.program_id(1), slot_args[2], slot_args[3]):
-            uses0, uses1, items = _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items,
-                                                 HALF_IDX, SPLIT, SCHEDULE_ROW)
-    else:
-        _consumer_slot(ctx, out_args, slot_args, qk_scale, gl.program_id(1), 0, 0, 0, HALF_IDX, SPLIT, SCHEDULE_ROW)
-
-
-@gluon.jit
-def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items, HALF_IDX: gl.constexpr,
-                   SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+              SCHEDULE_ROW: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
     o_L = o_L · α0 + P0 · V0L; 1 scores t1, takes m0, its softmax gives m1 and P1 (P1 into t1's k_pe slot),
     o_R = (o_R · α0 + P0 · V0R) · α1 + P1 · V1R; 0 takes m1: o_L = o_L · α1 + P1 · V1L. One softmax chain, handed
     back and forth, while the other warpgroup's wgmma has the tensor cores. Each partition reads the program's slot
-    itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork.
-    uses0 / uses1: the times stage 0 / 1 was filled before this slot, items: the slots this program did before
-    (the barriers' phases); returns them after it."""
+    itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork."""
     q_ctx, bar_m, sm, sl = ctx
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
     o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads = out_args
-    sched_ptr, len_ptr = slot_args[0], slot_args[1]
+    sched_ptr, len_ptr = slot_args
     m_block = gl.program_id(0)
+    slot = gl.program_id(1)
     seq, seq_len, start, end, n, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
     direct = n == 1
     BLOCK_M: gl.constexpr = q_smem.shape[0]
@@ -261,11 +224,11 @@ def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)
     if seq >= 0:  # else a spare slot
         b64 = seq.to(gl.int64)
         rows_args = (m_block, b64, n_new, heads)
-        _load_q(q_ctx, rows_args, items & 1, HALF_IDX)
+        n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+        _load_q(q_ctx, rows_args, HALF_IDX)
         rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
         pos = seq_len - n_new + rows // heads  # causal among the new tokens
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -274,13 +237,12 @@ def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items
         acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         for k in range((n_tiles + 1) // 2):
-            ph0 = (uses0 + k) & 1
-            ph1 = (uses1 + k) & 1
+            ph = k & 1
             n0 = start + 2 * k * BLOCK_N
             n1 = n0 + BLOCK_N
             has1 = 2 * k + 1 < n_tiles
             if HALF_IDX == 0:
-                sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph0, s_zero)
+                sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero)
                 p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale)
                 kp.index(0).store(p.to(dtype))
                 sm.slice(0, BLOCK_M).store(m0)
@@ -294,7 +256,7 @@ def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items
                 mbarrier.arrive(empty.index(0))
                 m_i = m0
                 if has1:
-                    mbarrier.wait(bar_m.index(1), ph1)
+                    mbarrier.wait(bar_m.index(1), ph)
                     m1 = sm.slice(BLOCK_M, BLOCK_M).load(row_layout)
                     a1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
                     l_i = l_i * a1
@@ -307,8 +269,8 @@ def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items
             else:
                 sc = s_zero
                 if has1:
-                    sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph1, s_zero)
-                mbarrier.wait(bar_m.index(0), ph0)
+                    sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero)
+                mbarrier.wait(bar_m.index(0), ph)
                 m0 = sm.slice(0, BLOCK_M).load(row_layout)
                 a0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
                 l_i = l_i * a0
@@ -336,13 +298,12 @@ def _consumer_slot(ctx, out_args, slot_args, qk_scale, slot, uses0, uses1, items
         # l: each warpgroup summed its own tiles' P (both under the final max): exchange through shared memory
         sl.slice(HALF_IDX * BLOCK_M, BLOCK_M).store(l_i)
         mbarrier.arrive(bar_m.index(2))
-        mbarrier.wait(bar_m.index(2), items & 1)
+        mbarrier.wait(bar_m.index(2), 0)
         l_i = l_i + sl.slice((1 - HALF_IDX) * BLOCK_M, BLOCK_M).load(row_layout)
         # both warpgroups are past their last wgmma, so q is free: o goes out through this warpgroup's half of it
         rows_total = n_new * heads
         item_out = (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows_total, slot.to(gl.int64) * rows_total, direct)
         _epilogue(acc, m_i, l_i, item_out, rows_args, q_smem.slice(HALF_IDX * HALF, HALF, dim=1), HALF_IDX)
-    return uses0 + (n_tiles + 1) // 2, uses1 + n_tiles // 2, items + (seq >= 0).to(gl.int32)
 
 
 @gluon.jit
@@ -388,15 +349,13 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW, PERSISTENT)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                     PERSISTENT: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW, PERSISTENT)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -432,10 +391,10 @@ def _seesaw_barriers():
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale, n_slots, slot_stride,
+    n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -456,12 +415,12 @@ def _mla_decode_ws_kernel(
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl)
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
-    slot_args = (sched_ptr, len_ptr, n_slots, slot_stride)
+    slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, PERSISTENT)),
-        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, PERSISTENT)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, PERSISTENT)),
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -495,15 +454,11 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
     (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
-    programs = slots
-    if PERSISTENT:  # one program an SM, each taking slots p, p + programs, … (A/B knob, an-5)
-        programs = min(slots, max(1, sm_count(cache.device) // m_blocks))
-    _mla_decode_ws_kernel[(m_blocks, programs)](
+    _mla_decode_ws_kernel[(m_blocks, slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, slots, programs,
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, PERSISTENT=programs < slots, num_warps=4,
-        maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
