@@ -368,12 +368,12 @@ _PIECE_LAYOUTS = {cols: gl.NVMMASharedLayout(swizzle_byte_width=2 * cols, elemen
 
 
 def launch_programs(kernel, descs, q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
-                    qk_scale, slots, pdl, merge_pdl, programs, m_blocks=1, **kernel_args):
+                    qk_scale, slots, pdl, merge_pdl, programs, **kernel_args):
     """Launch a Gluon kernel with this module's kernel's arguments (kernels_seesaw_t.py's too; descs: its cache
-    descriptors) over (m_blocks, slots), one chunk a program, or over (m_blocks, programs), a launch of programs
-    (programs > 0: schedule.py); kernel_args: the rows and the kernel's own arguments and constexprs."""
+    descriptors) over (1, slots), one chunk a program, or over (1, programs), a launch of programs (programs > 0:
+    schedule.py); kernel_args: the rows and the kernel's own arguments and constexprs."""
     batch, n_new, heads, _ = q_nope.shape
-    kernel[(m_blocks, programs or slots)](
+    kernel[(1, programs or slots)](
         q_nope, q_pe, *descs, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         program_rows(sched, batch, slots) if programs else sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], block_tables.stride(0), n_new, heads, cache.shape[1], qk_scale,

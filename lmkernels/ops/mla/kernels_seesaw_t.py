@@ -23,7 +23,6 @@ and B=32 32k −3 to −4%, 32 heads B=32 8k −3%, skewed 16 × 2 batches −22
 which keeps them. Outputs, LSE and partials (q's dtype) as kernels_ws.py. Compiled kernels only (the interpreter
 cannot run Gluon): CPU tests run kernels.py; `lmkernels check` compares this kernel with the reference on the GPU."""
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
@@ -141,17 +140,16 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
     ones = gl.full([ROWS], 1.0, gl.float32, layout=col_layout)
     s_zero = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)
     rows = n_new * heads
-    row0 = gl.program_id(0) * ROWS  # this program's block of the rows
     n0 = 0  # tiles stage 0 / 1 has taken so far (the loader's counts)
     n1 = 0
     for k in range(pieces[3]):
         slot, seq, seq_len, start, end, n, _ = _piece(pieces, k, SPLIT, RANGES, SCHEDULE_ROW)
         b64 = seq.to(gl.int64)
         # its half of q: both warpgroups are past the last piece's scores (its l exchange below)
-        _load_q_half(q_args, b64, row0, q_buf.index(0), qp_buf.index(0).slice(W * PE_HALF, PE_HALF, dim=1), W)
+        _load_q_half(q_args, b64, 0, q_buf.index(0), qp_buf.index(0).slice(W * PE_HALF, PE_HALF, dim=1), W)
         mbarrier.arrive(q_bar)
         mbarrier.wait(q_bar, k & 1)
-        pos = seq_len - n_new + (row0 + gl.arange(0, ROWS, layout=col_layout)) // heads  # causal among the new tokens
+        pos = seq_len - n_new + gl.arange(0, ROWS, layout=col_layout) // heads  # causal among the new tokens
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=col_layout)
         l_k = gl.zeros([BLOCK, ROWS], gl.float32, layout=s_layout)  # the softmax sums per key slot, summed at the end
         acc = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
@@ -220,7 +218,7 @@ def _consumer(q_args, smem, bars, out_args, pieces, qk_scale, W: gl.constexpr, S
         l_i = l_i + sl.slice((1 - W) * ROWS, ROWS).load(col_layout)
         o_ptr, lse_ptr, po_ptr, pl_ptr = out_args
         _epilogue(acc, m_i, l_i, ones, (o_ptr, lse_ptr, po_ptr, pl_ptr, b64 * rows, slot.to(gl.int64) * rows, n == 1),
-                  row0, rows, staging.index(W), W * HALF, KV_LORA, W == 0)
+                  0, rows, staging.index(W), W * HALF, KV_LORA, W == 0)
 
 
 @gluon.jit
@@ -285,9 +283,7 @@ def _mla_decode_seesaw_t_kernel(
 
 def mla_decode_seesaw_t(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                         pdl=False, merge_pdl=False, programs=0, rows=MAX_ROWS):
-    """Launch over (blocks of `rows` rows (16 or 32; the last padded), slots), as kernels_ws.mla_decode_ws; programs
-    > 0: over (row blocks, programs), a launch of programs (schedule.py)."""
-    m_blocks = triton.cdiv(q_nope.shape[1] * q_nope.shape[2], rows)
+    """Launch over (1, slots) for ≤ `rows` rows (16 or 32; fewer padded), as kernels_ws.mla_decode_ws; programs > 0:
+    over (1, programs), a launch of programs (schedule.py)."""
     launch_programs(_mla_decode_seesaw_t_kernel, (cache_descriptor(cache),), q_nope, q_pe, cache, block_tables,
-                    seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, m_blocks,
-                    ROWS=rows)
+                    seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots, pdl, merge_pdl, programs, ROWS=rows)
