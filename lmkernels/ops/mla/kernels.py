@@ -675,7 +675,7 @@ PDL, TRITON_PDL = True, False
 # exited (they still wait for the merge to complete before reading anything; they can be placed only once every
 # merge program has started, so they take no SM the merge still needs). H200 A/Bs (NOTES, issue 6, session an):
 # whole-rows merge 16 × 2 B=32 8k −1.0%, B=32 1k −5%, 16 heads B=32 8k −1.0%; column-block merge 128 heads B=1 1k /
-# 8k / 32k −7.3 / −4.5 / −2.3%, B=4 1k / 4k −8.8 / −3.1%, 16 heads B=1 32k −5.1%, 16 × 2 B=1 8k −7.3%
+# 8k / 32k −7.3 / −4.5 / −2.5%, B=4 1k / 4k −8.9 / −3.1%, 16 heads B=1 32k −5.1%, 16 × 2 B=1 8k −7.3%
 MERGE_RELEASE = True
 MERGE_PDL = True  # the whole-rows merge behind the Gluon kernel launched with PDL (mla_decode)
 # the few-rows Gluon kernel's in-kernel merge (kernels_few._merge_if_last: the last of a sequence's pieces to finish
