@@ -277,12 +277,13 @@ def test_warp_specialised_kernel_compiles_for_hopper():
     scores + 2 × 4 for P · V, its own tile's P and the other's), one TMA message per 64-column piece and stage,
     within the shared memory of one SM; its epilogue takes a reciprocal a row of a thread (2 rows a thread in the
     wgmma layout, 2 warpgroups), not a division an element (256: H200, 5% of a 128-head B=32 × 1k call, NOTES,
-    session ak). In a fresh process: the interpreter tests patch triton.language in this one, and Gluon compiles
+    session ak); each of its four rescales of o a pair (two a warpgroup) is the warp's vote and skip (session ao).
+    In a fresh process: the interpreter tests patch triton.language in this one, and Gluon compiles
     through it."""
     C = "lmkernels.ops.mla.compile_check"
     for r in compile_in_fresh_process(f"[{C}.ws(True, 'bf16'), {C}.ws(False, 'fp16')]"):
         assert r["wgmma"] == 2 * (576 // 16 + 2 * 64 // 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
-        assert r["smem_kb"] <= 227 and r["stack"] < 256 and r["div"] <= 2 * 2, r
+        assert r["smem_kb"] <= 227 and r["stack"] < 256 and r["div"] <= 2 * 2 and r["vote"] == 2 * 2, r
 
 
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")

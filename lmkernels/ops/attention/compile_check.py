@@ -49,7 +49,8 @@ def compile_kernel(fn, types, constexprs, num_warps, num_stages, source=ASTSourc
     return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                 smem_kb=k.metadata.shared // 1024,
                 wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), cp_async=ptx.count("cp.async.cg"),
-                tma=ptx.count("cp.async.bulk.tensor"), div=ptx.count("div.full.f32") + ptx.count("div.rn.f32"))
+                tma=ptx.count("cp.async.bulk.tensor"), div=ptx.count("div.full.f32") + ptx.count("div.rn.f32"),
+                vote=ptx.count("vote.sync.any"))
 
 
 def prefill(dqk=128, dv=128, dtype="bf16", cache=None, cfg=None, tma=False, causal=True, max_seqlen_q=4096):

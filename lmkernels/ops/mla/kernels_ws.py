@@ -81,31 +81,26 @@ def _add(a, b):
 
 
 @gluon.jit
-def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to, FAST: gl.constexpr, LAZY: gl.constexpr):
+def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to):
     """Online softmax step in base 2 (keys past the end or after a row's own position masked): P, the new row max
-    and sum, and the factor that rescales what was accumulated under the old max.
-    FAST: the mask only in a tile with a key at or past full_to, the scale inside exp2's FMA.
-    LAZY: the row max kept unless the new one exceeds it by more than 8 (P ≤ 256), so α is mostly 1."""
-    if FAST:
-        if n0 + sc.shape[1] > full_to:
-            kn = n0 + offs_n
-            sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum) * qk_scale)
-    else:
+    and sum, and the factor that rescales what was accumulated under the old max. Only a tile with a key at or past
+    full_to needs the mask (a uniform branch), and the scale goes into exp2's FMA (the max is taken on raw scores:
+    the scale is positive). The max is lazy (FlashAttention-4's): a row keeps its reference max unless the new one
+    exceeds it by more than 8, so P ≤ 256 (exact: o, l and the LSE all use the same reference) and α is 1 on most
+    tiles, which _rescale skips. Each −2 to −4% on 128-head rows (NOTES, issue 6, ao-2)."""
+    if n0 + sc.shape[1] > full_to:
         kn = n0 + offs_n
-        sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum))
-    if LAZY:
-        m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
+        sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum) * qk_scale)
+    m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if FAST:
-        p = gl.exp2(sc * qk_scale - m_use[:, None])
-    else:
-        p = gl.exp2(sc - m_use[:, None])
+    p = gl.exp2(sc * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.reduce(p, 1, _add), alpha
 
 
+# o · α for a thread's 128 accumulator values ($0–127 out, tied to $128–255 in; α per value $256–383): a vote over
+# the warp and a branch around the multiplies. Elements 0–3 of a thread's m64 accumulator share hold both its rows.
 _RESCALE_ASM = gl.constexpr(
     "{ .reg .pred p, q; setp.neu.f32 p, $256, 0f3F800000; setp.neu.or.f32 p, $257, 0f3F800000, p; "
     "setp.neu.or.f32 p, $258, 0f3F800000, p; setp.neu.or.f32 p, $259, 0f3F800000, p; "
@@ -115,18 +110,14 @@ _RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 128 + [str(i) for i in ran
 
 
 @gluon.jit
-def _rescale(acc, alpha, o_row_layout: gl.constexpr, RESCALE: gl.constexpr):
-    """o · α. RESCALE 0: always; 1: never (timing only); 2: a warp multiplies only where one of its rows' α differs
-    from 1 (a vote and a branch around a thread's 128 multiplies, in one inline-asm block: elements 0–3 of a
-    thread's m64 accumulator share hold both of its rows)."""
-    if RESCALE == 2:
-        gl.static_assert(acc.shape[0] * acc.shape[1] == 128 * 128, "128 accumulator values a thread")
-        a_b, acc_b = gl.broadcast(gl.convert_layout(alpha, o_row_layout)[:, None], acc)
-        acc = gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc_b, a_b], dtype=gl.float32,
-                                        is_pure=True, pack=128)
-    elif RESCALE == 0:
-        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-    return acc
+def _rescale(acc, alpha, o_row_layout: gl.constexpr):
+    """o · α, skipped by a warp where none of its 16 rows has α ≠ 1. The condition must not be uniform over the
+    program: a cross-warp reduction for a scalar branch (gl.reduce, or each thread reading all 64 α from shared
+    memory) made the build spill 328–344 bytes (NOTES, issue 6, ao-2), so the vote and branch are inline asm."""
+    gl.static_assert(acc.shape[0] * acc.shape[1] == 128 * 128, "128 accumulator values a thread")
+    a_b, acc_b = gl.broadcast(gl.convert_layout(alpha, o_row_layout)[:, None], acc)
+    return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc_b, a_b], dtype=gl.float32,
+                                     is_pure=True, pack=128)
 
 
 @gluon.jit
@@ -233,7 +224,7 @@ def _zero_tail(v, n0, end):
 
 @gluon.jit
 def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              SCHEDULE_ROW: gl.constexpr, FAST: gl.constexpr, RESCALE: gl.constexpr):
+              SCHEDULE_ROW: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
@@ -280,12 +271,12 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
             has1 = 2 * k + 1 < n_tiles
             if HALF_IDX == 0:
                 sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero)
-                p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to, FAST, RESCALE == 2)
+                p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to)
                 kp.index(0).store(p.to(dtype))
                 sm.slice(0, BLOCK_M).store(m0)
                 fence_async_shared()
                 mbarrier.arrive(bar_m.index(0))
-                acc = _rescale(acc, a0, o_row_layout, RESCALE)
+                acc = _rescale(acc, a0, o_row_layout)
                 _zero_tail(kc.index(0).slice(0, HALF, dim=1), n0, end)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
                                     is_async=True)
@@ -297,7 +288,7 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
                     m1 = sm.slice(BLOCK_M, BLOCK_M).load(row_layout)
                     a1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
                     l_i = l_i * a1
-                    acc = _rescale(acc, a1, o_row_layout, RESCALE)
+                    acc = _rescale(acc, a1, o_row_layout)
                     _zero_tail(kc.index(1).slice(0, HALF, dim=1), n1, end)
                     acc = warpgroup_mma(kp.index(1), kc.index(1).slice(0, HALF, dim=1), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -315,19 +306,18 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
                 p = s_zero
                 a1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
                 if has1:
-                    p, m_i, l_i, a1 = _softmax(sc, m0, l_i, n1, end, pos, offs_n, qk_scale, full_to, FAST,
-                                                 RESCALE == 2)
+                    p, m_i, l_i, a1 = _softmax(sc, m0, l_i, n1, end, pos, offs_n, qk_scale, full_to)
                     kp.index(1).store(p.to(dtype))
                     sm.slice(BLOCK_M, BLOCK_M).store(m_i)
                     fence_async_shared()
                     mbarrier.arrive(bar_m.index(1))
-                acc = _rescale(acc, a0, o_row_layout, RESCALE)
+                acc = _rescale(acc, a0, o_row_layout)
                 _zero_tail(kc.index(0).slice(HALF, HALF, dim=1), n0, end)
                 acc = warpgroup_mma(kp.index(0), kc.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(1))
                 if has1:
-                    acc = _rescale(acc, a1, o_row_layout, RESCALE)
+                    acc = _rescale(acc, a1, o_row_layout)
                     _zero_tail(kc.index(1).slice(HALF, HALF, dim=1), n1, end)
                     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(1).slice(HALF, HALF, dim=1),
                                         acc, is_async=True)
@@ -387,15 +377,13 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                      FAST: gl.constexpr, RESCALE: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW, FAST, RESCALE)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                     FAST: gl.constexpr, RESCALE: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW, FAST, RESCALE)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -434,7 +422,7 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, FAST: gl.constexpr = False, RESCALE: gl.constexpr = 0,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -457,8 +445,8 @@ def _mla_decode_ws_kernel(
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
     slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, FAST, RESCALE)),
-        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, FAST, RESCALE)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
                    LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -467,8 +455,6 @@ def _mla_decode_ws_kernel(
 # registers: 12 warps (two consumer warpgroups and the loader's, rounded up to a warpgroup) × MAXNREG fill the
 # register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240
 MAXNREG = 168
-FAST_SOFTMAX = False  # A/B knobs (session ao)
-RESCALE_MODE = 0
 CONSUMER_REGS = 240
 
 
@@ -501,6 +487,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, FAST=FAST_SOFTMAX, RESCALE=RESCALE_MODE, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
