@@ -191,15 +191,16 @@ def _qk_piece(sc, q_smem, qp_smem, kc_s, kp_s, ready, s: gl.constexpr, j: gl.con
 
 
 @gluon.jit
-def _scores(q_smem, qp_smem, kc, kp, ready, s: gl.constexpr, phase, s_zero, bar_q=None, ORDER: gl.constexpr = 0):
+def _scores(q_smem, qp_smem, kc, kp, ready, s: gl.constexpr, phase, s_zero, bar_q):
     """S of the tile in stage s, each piece's wgmma issued as soon as that piece has landed (pieces in the
-    loader's order)."""
+    loader's order). Warpgroup 0 (stage 0) signals bar_q once its nine are issued: warpgroup 1 issues its tile's
+    only then, so the tensor cores take t0's scores first and softmax 0 runs under t1's (−1% on most 128-head rows,
+    −3% at 128 × 2 MTP, NOTES, issue 6, ao-4)."""
     if s == 0:
         sc = _qk_piece(s_zero, q_smem, qp_smem, kc.index(0), kp.index(0), ready, 0, 0, phase, True)
         for j in gl.static_range(1, 9):
             sc = _qk_piece(sc, q_smem, qp_smem, kc.index(0), kp.index(0), ready, 0, j, phase, False)
-        if ORDER == 1:
-            mbarrier.arrive(bar_q)
+        mbarrier.arrive(bar_q)
     else:
         sc = _qk_piece(s_zero, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, 0, phase, True)
         for j in gl.static_range(1, 4):
@@ -207,10 +208,7 @@ def _scores(q_smem, qp_smem, kc, kp, ready, s: gl.constexpr, phase, s_zero, bar_
         sc = _qk_piece(sc, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, 8, phase, False)
         for j in gl.static_range(4, 8):
             sc = _qk_piece(sc, q_smem, qp_smem, kc.index(1), kp.index(1), ready, 1, j, phase, False)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    if s == 0 and ORDER == 2:
-        mbarrier.arrive(bar_q)
-    return sc
+    return warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
 
 @gluon.jit
@@ -229,7 +227,7 @@ def _zero_tail(v, n0, end):
 
 @gluon.jit
 def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              SCHEDULE_ROW: gl.constexpr, ORDER: gl.constexpr):
+              SCHEDULE_ROW: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
@@ -275,7 +273,7 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
             n1 = n0 + BLOCK_N
             has1 = 2 * k + 1 < n_tiles
             if HALF_IDX == 0:
-                sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero, bar_q, ORDER)
+                sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero, bar_q)
                 p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to)
                 kp.index(0).store(p.to(dtype))
                 sm.slice(0, BLOCK_M).store(m0)
@@ -302,9 +300,9 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
             else:
                 sc = s_zero
                 if has1:
-                    if ORDER != 0:
-                        mbarrier.wait(bar_q, ph)
-                    sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero)
+                    # t0's scores issued (warpgroup 0 arrives once a pair and cannot get two ahead: it needs m1)
+                    mbarrier.wait(bar_q, ph)
+                    sc = _scores(q_smem, qp_smem, kc, kp, ready, 1, ph, s_zero, bar_q)
                 mbarrier.wait(bar_m.index(0), ph)
                 m0 = sm.slice(0, BLOCK_M).load(row_layout)
                 a0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
@@ -384,15 +382,13 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                      ORDER: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW, ORDER)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
-                     ORDER: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW, ORDER)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
 
 
 @gluon.jit
@@ -431,7 +427,7 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, ORDER: gl.constexpr = 0,
+    LATE_TRIGGER: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -447,7 +443,7 @@ def _mla_decode_ws_kernel(
     kc = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], wide)
     ready, empty, bar_m = _seesaw_barriers()
-    bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # warpgroup 0's scores issued
     mbarrier.init(bar_q, count=1)
     sm = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # m0 | m1
     sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
@@ -456,8 +452,8 @@ def _mla_decode_ws_kernel(
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
     slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, ORDER)),
-        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, ORDER)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
                    LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -466,7 +462,6 @@ def _mla_decode_ws_kernel(
 # registers: 12 warps (two consumer warpgroups and the loader's, rounded up to a warpgroup) × MAXNREG fill the
 # register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240
 MAXNREG = 168
-QK_ORDER = 0  # A/B knob (session ao): 1 warpgroup 1 scores its tile once warpgroup 0 has issued its own; 2 completed
 CONSUMER_REGS = 240
 
 
@@ -499,6 +494,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, ORDER=QK_ORDER, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
