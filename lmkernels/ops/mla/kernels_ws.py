@@ -87,7 +87,7 @@ def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to):
     full_to needs the mask (a uniform branch), and the scale goes into exp2's FMA (the max is taken on raw scores:
     the scale is positive). The max is lazy (FlashAttention-4's): a row keeps its reference max unless the new one
     exceeds it by more than 8, so P ≤ 256 (exact: o, l and the LSE all use the same reference) and α is 1 on most
-    tiles, which _rescale skips. Each −2 to −4% on 128-head rows (NOTES, issue 6, ao-2)."""
+    tiles, which _rescale skips. Together −1 to −6.5% on 128-head rows (NOTES, issue 6, ao-2)."""
     if n0 + sc.shape[1] > full_to:
         kn = n0 + offs_n
         sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc, float("-inf"))
@@ -111,9 +111,9 @@ _RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 128 + [str(i) for i in ran
 
 @gluon.jit
 def _rescale(acc, alpha, o_row_layout: gl.constexpr):
-    """o · α, skipped by a warp where none of its 16 rows has α ≠ 1. The condition must not be uniform over the
-    program: a cross-warp reduction for a scalar branch (gl.reduce, or each thread reading all 64 α from shared
-    memory) made the build spill 328–344 bytes (NOTES, issue 6, ao-2), so the vote and branch are inline asm."""
+    """o · α, skipped by a warp where none of its 16 rows has α ≠ 1. A branch uniform over the program would need a
+    cross-warp reduction (gl.reduce, or each thread reading all 64 α from shared memory), and either made the build
+    spill 328–344 bytes (NOTES, issue 6, ao-2); so each warp votes and branches, in inline asm."""
     gl.static_assert(acc.shape[0] * acc.shape[1] == 128 * 128, "128 accumulator values a thread")
     a_b, acc_b = gl.broadcast(gl.convert_layout(alpha, o_row_layout)[:, None], acc)
     return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc_b, a_b], dtype=gl.float32,
