@@ -1038,9 +1038,8 @@ def merge_partials(part_o, part_l, sched, o, lse, splits, rows_kernel=None, min_
         S = max(2, triton.next_power_of_2(min(splits, MERGE_ROWS_SPLITS)))
         rows_per = max(1, MERGE_ROWS_ELEMS // S)
         _mla_merge_rows_kernel[(entries, triton.cdiv(rows, rows_per))](
-            part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl, num_warps=4,
-            EARLY_TRIGGER=release,
-            **({"launch_pdl": True} if pdl else {}))
+            part_o, part_l, sched, o, lse, rows, ROWS=rows_per, S=S, KV_LORA=KV_LORA, USE_PDL=pdl,
+            EARLY_TRIGGER=release, num_warps=4, **({"launch_pdl": True} if pdl else {}))
         return
     chunks = min(max_chunks or splits, part_o.shape[0] - batch + 1)  # the most a sequence can have
     block_d, chunk_s = KV_LORA, min(MERGE_ROUND, max(4, triton.next_power_of_2(chunks)))
