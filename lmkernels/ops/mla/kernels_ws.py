@@ -33,12 +33,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..._utils import gdc_launch_dependents, gdc_wait
+from ..._utils import gdc_launch_dependents, gdc_wait, sm_count
 from .schedule import ROW
 
 BLOCK_M = 64
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
+T1_AFTER_PIECE = gl.constexpr(3)  # _loader's T1_AFTER_T0 (ap-2: after piece 3 or after piece 8 alike)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -81,21 +82,33 @@ def _add(a, b):
 
 
 @gluon.jit
+def _tile_max(sc, m_i, n0, end, pos, offs_n, qk_scale, full_to):
+    """The first half of _softmax's step: (scores masked where needed, the new reference max)."""
+    if n0 + sc.shape[1] > full_to:
+        kn = n0 + offs_n
+        sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum) * qk_scale)
+    return sc, gl.where(m_new > m_i + 8.0, m_new, m_i)
+
+
+@gluon.jit
+def _tile_p(sc, m_i, m_new, qk_scale):
+    """The second half: (P, α) under the new max m_new."""
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return gl.exp2(sc * qk_scale - m_use[:, None]), gl.exp2(m_i - m_use)
+
+
+@gluon.jit
 def _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to):
     """Online softmax step in base 2 (keys past the end or after a row's own position masked): P, the new row max
     and sum, and the factor that rescales what was accumulated under the old max. Only a tile with a key at or past
     full_to needs the mask (a uniform branch), and the scale goes into exp2's FMA (the max is taken on raw scores:
     the scale is positive). The max is lazy (FlashAttention-4's): a row keeps its reference max unless the new one
     exceeds it by more than 8, so P ≤ 256 (exact: o, l and the LSE all use the same reference) and α is 1 on most
-    tiles, which _rescale skips. Together −1 to −6.5% on 128-head rows (NOTES, issue 6, ao-2)."""
-    if n0 + sc.shape[1] > full_to:
-        kn = n0 + offs_n
-        sc = gl.where((kn[None, :] < end) & (kn[None, :] <= pos[:, None]), sc, float("-inf"))
-    m_new = gl.maximum(m_i, gl.reduce(sc, 1, _maximum) * qk_scale)
-    m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(sc * qk_scale - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
+    tiles, which _rescale skips. Together −1 to −6.5% on 128-head rows (NOTES, issue 6, ao-2). In two halves
+    (_tile_max, _tile_p), so that warpgroup 0 can hand its max over before its exponentials."""
+    sc, m_new = _tile_max(sc, m_i, n0, end, pos, offs_n, qk_scale, full_to)
+    p, alpha = _tile_p(sc, m_i, m_new, qk_scale)
     return p, m_new, l_i * alpha + gl.reduce(p, 1, _add), alpha
 
 
@@ -133,11 +146,14 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 @gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, T1_AFTER_T0: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
-    empty[2 s + 1]: other."""
+    empty[2 s + 1]: other. T1_AFTER_T0 (a launch of one wave, whose programs all start at once): the first pair's
+    t1 only once t0's piece T1_AFTER_PIECE has landed, so that the start's burst of loads brings t0 first (H200,
+    two pairs or fewer a program: −1.8 to −3.6%; level at four; +2% on a second wave's programs, which start while
+    the others stream: NOTES, issue 6, ap-2)."""
     BLOCK_N: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
@@ -160,6 +176,9 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
         if 2 * k + 1 < n_tiles:
             n1 = n0 + BLOCK_N
             row1 = gl.load(bt_row + n1 // page_size).to(gl.int32) * page_size + n1 % page_size
+            if T1_AFTER_T0:
+                if k == 0:
+                    mbarrier.wait(ready.index(T1_AFTER_PIECE), 0)
             mbarrier.wait(empty.index(3), ph)  # stage 1 other: columns 0–255 and the k_pe / P slot
             for j in gl.static_range(4):
                 _load_piece(desc, row1, kc.index(1), kp.index(1), ready, 1, j, nbytes)
@@ -235,7 +254,7 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
     o_R = (o_R · α0 + P0 · V0R) · α1 + P1 · V1R; 0 takes m1: o_L = o_L · α1 + P1 · V1L. One softmax chain, handed
     back and forth, while the other warpgroup's wgmma has the tensor cores. Each partition reads the program's slot
     itself (a spare slot: nothing to do), so the loader's first loads go out without waiting for the fork."""
-    q_ctx, bar_m, sm, sl, bar_q = ctx
+    q_ctx, bar_m, sm, sl, bar_q, bar_p0 = ctx
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
     o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads = out_args
     sched_ptr, len_ptr = slot_args
@@ -274,15 +293,22 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
             has1 = 2 * k + 1 < n_tiles
             if HALF_IDX == 0:
                 sc = _scores(q_smem, qp_smem, kc, kp, ready, 0, ph, s_zero, bar_q)
-                p, m0, l_i, a0 = _softmax(sc, m_i, l_i, n0, end, pos, offs_n, qk_scale, full_to)
-                kp.index(0).store(p.to(dtype))
+                # m0 handed over right after the max: warpgroup 1's softmax needs nothing else (plain loads: the
+                # arrive's release orders the store); P0 goes to shared memory for warpgroup 1 only once this
+                # warpgroup's own P0 · V0L is issued, with a barrier of its own (−0.3 to −1.2%, NOTES, issue 6, ap-1)
+                sc, m0 = _tile_max(sc, m_i, n0, end, pos, offs_n, qk_scale, full_to)
                 sm.slice(0, BLOCK_M).store(m0)
-                fence_async_shared()
                 mbarrier.arrive(bar_m.index(0))
+                p, a0 = _tile_p(sc, m_i, m0, qk_scale)
+                l_i = l_i * a0 + gl.reduce(p, 1, _add)
+                p = p.to(dtype)
                 acc = _rescale(acc, a0, o_row_layout)
                 _zero_tail(kc.index(0).slice(0, HALF, dim=1), n0, end)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
+                acc = warpgroup_mma(gl.convert_layout(p, p_layout), kc.index(0).slice(0, HALF, dim=1), acc,
                                     is_async=True)
+                kp.index(0).store(p)
+                fence_async_shared()
+                mbarrier.arrive(bar_p0)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(0))
                 m_i = m0
@@ -318,6 +344,7 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
                     mbarrier.arrive(bar_m.index(1))
                 acc = _rescale(acc, a0, o_row_layout)
                 _zero_tail(kc.index(0).slice(HALF, HALF, dim=1), n0, end)
+                mbarrier.wait(bar_p0, ph)
                 acc = warpgroup_mma(kp.index(0), kc.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(1))
@@ -427,7 +454,7 @@ def _mla_decode_ws_kernel(
     n_new, heads, page_size, n_rows, qk_scale,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False, T1_AFTER_T0: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -445,17 +472,19 @@ def _mla_decode_ws_kernel(
     ready, empty, bar_m = _seesaw_barriers()
     bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # warpgroup 0's scores issued
     mbarrier.init(bar_q, count=1)
+    bar_p0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P0 stored (after m0)
+    mbarrier.init(bar_p0, count=1)
     sm = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # m0 | m1
     sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
-    ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl, bar_q)
+    ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl, bar_q, bar_p0)
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
     slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
         (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW)),
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, T1_AFTER_T0)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -494,6 +523,8 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl,
+        T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), num_warps=4,
+        maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
