@@ -39,7 +39,7 @@ from .schedule import ROW
 BLOCK_M = 64
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
-T1_AFTER_PIECE = gl.constexpr(3)  # _loader's T1_AFTER_T0 (ap-2: after piece 3 or after piece 8 alike)
+T1_AFTER_PIECE = gl.constexpr(3)  # _loader's T1_AFTER_T0 (NOTES, issue 6, ap-2: piece 3 or 8 alike)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -433,7 +433,8 @@ def _slot_chunk(sched_ptr, len_ptr, slot, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.
 @gluon.jit
 def _seesaw_barriers():
     """The seesaw's barriers, initialised: ready (a piece of a stage landed), empty (a stage's half given back: stage
-    · 2 + (its scoring warpgroup's columns, the other's)) and bar_m (m0 + P0, m1 + P1, the final l: both)."""
+    · 2 + (its scoring warpgroup's columns, the other's)) and bar_m (m0 + P0, m1 + P1, the final l: both; the 64-row
+    kernel hands P0 over on a barrier of its own, bar_p0, and m0 alone on bar_m[0])."""
     ready = gl.allocate_shared_memory(gl.int64, [2 * PIECES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     bar_m = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -524,7 +525,6 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl,
-        T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), num_warps=4,
-        maxnreg=MAXNREG,
+        T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
