@@ -258,6 +258,11 @@ def _mla_cases(big, dev, dt):
         yield (f"mla_decode({heads} heads, q {n_new})", qn.shape,
                lambda qn=qn, qp=qp: mla.mla_decode(qn, qp, cache, tables, seq_lens, scale=0.07)[0],
                lambda qn=qn, qp=qp: ref.mla_decode(qn, qp, cache, tables, seq_lens, 0.07)[0])
+        if n_new == 1 and heads == 128:  # 48 rows of contiguous q: the 64-row Gluon kernel's q box reaches past them
+            qf, qpf = (torch.randn(len(ctx), 1, 48, d, device=dev, dtype=dt) for d in (512, 64))
+            yield ("mla_decode(48 heads)", qf.shape,
+                   lambda qf=qf, qpf=qpf: mla.mla_decode(qf, qpf, cache, tables, seq_lens, scale=0.07)[0],
+                   lambda qf=qf, qpf=qpf: ref.mla_decode(qf, qpf, cache, tables, seq_lens, 0.07)[0])
         if n_new == 1 and heads == 16:  # chunks of ≥ 4 tiles: the few-rows Gluon kernel on a fast-DRAM Hopper
             for h, splits in ((16, 4), (8, 1)):
                 qf, qpf = qn[:, :, :h], qp[:, :, :h]

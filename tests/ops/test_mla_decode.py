@@ -274,15 +274,17 @@ def test_generic_merge_sums_inside_each_thread():
 def test_warp_specialised_kernel_compiles_for_hopper():
     """The Gluon kernel has no interpreter path (the GPU check, `lmkernels check`, runs it against the reference):
     here it must at least build for sm_90 with its seesaw intact: two warpgroups × (36 wgmma for one tile's
-    scores + 2 × 4 for P · V, its own tile's P and the other's), one TMA message per 64-column piece and stage,
-    within the shared memory of one SM; its epilogue takes a reciprocal a row of a thread (2 rows a thread in the
-    wgmma layout, 2 warpgroups), not a division an element (256: H200, 5% of a 128-head B=32 × 1k call, NOTES,
-    session ak); each of its four rescales of o a pair (two a warpgroup) is the warp's vote and skip (session ao).
+    scores + 2 × 4 for P · V, its own tile's P and the other's), one TMA message per 64-column piece and stage
+    (and of q, where the loader brings it), within the shared memory of one SM; its epilogue takes a reciprocal a
+    row of a thread (2 rows a thread in the wgmma layout, 2 warpgroups), not a division an element (256: H200, 5% of
+    a 128-head B=32 × 1k call, NOTES, session ak); each of its four rescales of o a pair (two a warpgroup) is the
+    warp's vote and skip (session ao).
     In a fresh process: the interpreter tests patch triton.language in this one, and Gluon compiles
     through it."""
     C = "lmkernels.ops.mla.compile_check"
-    for r in compile_in_fresh_process(f"[{C}.ws(True, 'bf16'), {C}.ws(False, 'fp16')]"):
-        assert r["wgmma"] == 2 * (576 // 16 + 2 * 64 // 16) and r["tma"] == 2 * 9 and r["mma"] == 0, r
+    builds = compile_in_fresh_process(f"[{C}.ws(True, 'bf16'), {C}.ws(False, 'fp16', q_tma=False)]")
+    for r, q_tma in zip(builds, (True, False)):
+        assert r["wgmma"] == 2 * (576 // 16 + 2 * 64 // 16) and r["tma"] == 2 * 9 + 9 * q_tma and r["mma"] == 0, r
         assert r["smem_kb"] <= 227 and r["stack"] < 256 and r["div"] <= 2 * 2 and r["vote"] == 2 * 2, r
 
 

@@ -45,16 +45,21 @@ def _bf16_cache_types(dtype):
                 qk_scale="fp32")
 
 
-def ws(split=True, dtype="bf16"):
+def ws(split=True, dtype="bf16", q_tma=True):
     """The warp-specialised Gluon kernel (kernels_ws.py); split: partials in q's dtype, PDL, the merge kernel's launch
-    triggered late and the first pair's t1 loaded after t0 (one wave), as mla_decode gives them on Hopper."""
+    triggered late and the first pair's t1 loaded after t0 (one wave), as mla_decode gives them on Hopper; q_tma: q
+    brought by the loader's TMA (q rows of one stride), else loaded by the consumers."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from . import kernels_ws as W
 
     types = _bf16_cache_types(dtype)
     ce = dict(SPLIT=split, SCHEDULE_ROW=W.ROW, KV_LORA=512, ROPE=64, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N,
-              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split, T1_AFTER_T0=split)
+              CONSUMER_REGS=W.CONSUMER_REGS, USE_PDL=True, LATE_TRIGGER=split, T1_AFTER_T0=split, Q_TMA=q_tma)
+    if q_tma:
+        types.update(q_desc=_desc(dtype, 64), qp_desc=_desc(dtype, 64))
+    else:
+        ce.update(q_desc=None, qp_desc=None)
     return compile_kernel(W._mla_decode_ws_kernel, types, ce, 4, 1, source=GluonASTSource, maxnreg=W.MAXNREG)
 
 

@@ -45,9 +45,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _load_q(ctx, rows_args, HALF_IDX: gl.constexpr):
-    """q rows (row r = new token r // heads, head r % heads) into shared memory: this warpgroup's half of q_lat
-    (warpgroup 0 also q_pe), all loads issued before the first store (one round trip), while the loader's first
-    tiles are on their way; then wait for the other warpgroup's half."""
+    """q rows (row r = new token r // heads, head r % heads) into shared memory where the loader cannot bring them
+    (q not rows of one stride): this warpgroup's half of q_lat (warpgroup 0 also q_pe), all loads issued before the
+    first store (one round trip), while the loader's first tiles are on their way; then wait for the other
+    warpgroup's half."""
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = ctx
     qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph = q_args
     m_block, b64, n_new, heads = rows_args
@@ -146,21 +147,34 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 @gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, T1_AFTER_T0: gl.constexpr):
+            LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, T1_AFTER_T0: gl.constexpr,
+            q_tma, Q_TMA: gl.constexpr):
     """Tile 2k into stage 0, 2k + 1 into stage 1, piece by piece in the order the consumers free them: a stage's
     own columns (the half its scoring warpgroup multiplies by P from registers) come back before its other columns
     and the k_pe slot (which holds P for the other warpgroup) in stage 0, after them in stage 1. empty[2 s]: own,
     empty[2 s + 1]: other. T1_AFTER_T0 (a launch of one wave, whose programs all start at once): the first pair's
     t1 only once t0's piece T1_AFTER_PIECE has landed, so that the start's burst of loads brings t0 first (H200,
     two pairs or fewer a program: −1.8 to −3.6%; level at four; +2% on a second wave's programs, which start while
-    the others stream: NOTES, issue 6, ap-2)."""
+    the others stream: NOTES, issue 6, ap-2). Q_TMA: q's 9 pieces too, right after the schedule row, so that no
+    consumer loads it (8 warps' loads beside the loader's own slowed both at the start; made on the host, the q
+    descriptors gain −2% at 128 heads B=1 32k, −1.9% at 128 × 2, −3.5% on a skewed batch; made here, their writes
+    cost the short rows 1–4%: ap-6 to ap-9)."""
     BLOCK_N: gl.constexpr = kc.shape[1]
     KV_LORA: gl.constexpr = kc.shape[2]
     ROPE: gl.constexpr = kp.shape[2]
     desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
     nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
     sched_ptr, len_ptr = slot_args
+    if Q_TMA:  # q's rows as [B·Q·H, 512] and [B·Q·H, 64], descriptors made on the host
+        q_desc, qp_desc, rows_per_seq, q_bar, q_smem, qp_smem = q_tma
     seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
+    if Q_TMA:
+        if seq >= 0:
+            q_row = seq * rows_per_seq + gl.program_id(0) * q_smem.shape[0]
+            mbarrier.expect(q_bar, 9 * nbytes)
+            for j in gl.static_range(8):
+                tma.async_copy_global_to_shared(q_desc, [q_row, 64 * j], q_bar, q_smem.slice(64 * j, 64, dim=1))
+            tma.async_copy_global_to_shared(qp_desc, [q_row, 0], q_bar, qp_smem)
     n_tiles = gl.where(seq >= 0, (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N, 0)  # a spare slot: none
     bt_row = bt_ptr + gl.maximum(seq, 0).to(gl.int64) * stride_bt
     for k in range((n_tiles + 1) // 2):
@@ -246,7 +260,7 @@ def _zero_tail(v, n0, end):
 
 @gluon.jit
 def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT: gl.constexpr,
-              SCHEDULE_ROW: gl.constexpr):
+              SCHEDULE_ROW: gl.constexpr, Q_TMA: gl.constexpr):
     """Warpgroup HALF_IDX owns output columns [HALF_IDX · 256, +256) and computes the scores of the tiles of
     stage HALF_IDX (warpgroup 0 the even tiles, 1 the odd ones). Per pair of tiles (t0, t1), with m the running
     max: 0 scores t0, its softmax from m gives m0 and P0 (P0 and m0 to shared memory, P0 into t0's k_pe slot),
@@ -277,7 +291,10 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
         b64 = seq.to(gl.int64)
         rows_args = (m_block, b64, n_new, heads)
         n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
-        _load_q(q_ctx, rows_args, HALF_IDX)
+        if Q_TMA:
+            mbarrier.wait(q_ctx[1], 0)
+        else:
+            _load_q(q_ctx, rows_args, HALF_IDX)
         rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
         pos = seq_len - n_new + rows // heads  # causal among the new tokens
         full_to = gl.minimum(end, seq_len - n_new + (m_block * BLOCK_M) // heads + 1)  # keys below: no row masks any
@@ -409,13 +426,15 @@ def _epilogue(acc, m_i, l_i, out_args, rows_args, buf, HALF_IDX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW)
+def _consumer_default(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
+                      Q_TMA: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 0, SPLIT, SCHEDULE_ROW, Q_TMA)
 
 
 @gluon.jit
-def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr):
-    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW)
+def _consumer_worker(ctx, out_args, slot_args, qk_scale, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr,
+                     Q_TMA: gl.constexpr):
+    _consumer(ctx, out_args, slot_args, qk_scale, 1, SPLIT, SCHEDULE_ROW, Q_TMA)
 
 
 @gluon.jit
@@ -452,10 +471,10 @@ def _seesaw_barriers():
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale,
+    n_new, heads, page_size, n_rows, qk_scale, q_desc, qp_desc,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
-    LATE_TRIGGER: gl.constexpr = False, T1_AFTER_T0: gl.constexpr = False,
+    LATE_TRIGGER: gl.constexpr = False, T1_AFTER_T0: gl.constexpr = False, Q_TMA: gl.constexpr = False,
 ):
     if USE_PDL:  # as kernels._mla_decode_kernel
         gdc_wait()
@@ -467,7 +486,7 @@ def _mla_decode_ws_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA], wide)
     qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], wide)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=2)  # each consumer warpgroup stores its half of q
+    mbarrier.init(q_bar, count=1 if Q_TMA else 2)  # the loader's TMA of q, or each consumer warpgroup its half
     kc = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], wide)
     kp = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], wide)
     ready, empty, bar_m = _seesaw_barriers()
@@ -479,13 +498,14 @@ def _mla_decode_ws_kernel(
     sl = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], flat)  # each warpgroup's l
     q_args = (qn_ptr, qp_ptr, stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph)
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl, bar_q, bar_p0)
+    q_tma = (q_desc, qp_desc, n_new * heads, q_bar, q_smem, qp_smem)
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
     slot_args = (sched_ptr, len_ptr)
     gl.warp_specialize([
-        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
-        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW)),
+        (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, Q_TMA)),
+        (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, Q_TMA)),
         (_loader, (c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
-                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, T1_AFTER_T0)),
+                   LATE_TRIGGER, SPLIT, SCHEDULE_ROW, T1_AFTER_T0, q_tma, Q_TMA)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -493,6 +513,8 @@ def _mla_decode_ws_kernel(
 # register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240
 MAXNREG = 168
 CONSUMER_REGS = 240
+# q's pieces in shared memory (made once: a layout takes ~8 µs of host time to build, kernels_few._PIECE_LAYOUTS)
+_Q_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 # Gluon is experimental and its API moves between releases: the kernel runs only on the triton it was built and
@@ -512,6 +534,12 @@ def supported(cache):
             and cache.shape[1] % BLOCK_N == 0 and cache.data_ptr() % 16 == 0)
 
 
+def _q_rows_uniform(q_nope, q_pe):
+    """Whether q_nope and q_pe are [B·Q·H, 512 / 64] rows of one stride each (TMA: 16-byte aligned rows)."""
+    return all(q.stride(3) == 1 and q.stride(1) == q.shape[2] * q.stride(2) and q.stride(0) == q.shape[1] * q.stride(1)
+               and (q.stride(2) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0 for q in (q_nope, q_pe))
+
+
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                   pdl=False, merge_pdl=False):
     """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
@@ -519,12 +547,20 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
     (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
+    q_descs = (None, None)
+    if _q_rows_uniform(q_nope, q_pe):  # q by the loader's TMA (NOTES, issue 6, ap-9)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        rows = batch * n_new * heads
+        q_descs = (TensorDescriptor(q_nope, [rows, 512], [q_nope.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT),
+                   TensorDescriptor(q_pe, [rows, 64], [q_pe.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT))
     _mla_decode_ws_kernel[(m_blocks, slots)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale,
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, *q_descs,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl,
-        T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), num_warps=4, maxnreg=MAXNREG,
+        T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), Q_TMA=q_descs[0] is not None,
+        num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}),
     )
