@@ -146,6 +146,15 @@ def _load_piece(desc, row, kc_s, kp_s, ready, s: gl.constexpr, j: gl.constexpr, 
 
 
 @gluon.jit
+def _block_slot(m_blocks):
+    """(m-block, slot) of this program. One grid axis, m-blocks fastest: the programs of a slot's m-blocks (which
+    read the same tiles, the second from L2) launch next to each other. The same order on a 2-d grid was ~1% slower
+    at 128 heads B=1 8k / 32k, B=4 4k and B=32 1k, and a slot's m-blocks 2–16 programs apart 0.3–1.5% slower again
+    (NOTES, issue 6, aq-3, aq-4)."""
+    return gl.program_id(0) % m_blocks, gl.program_id(0) // m_blocks
+
+
+@gluon.jit
 def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, page_size, stride_cr,
             LATE_TRIGGER: gl.constexpr, SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, T1_AFTER_T0: gl.constexpr,
             q_tma, Q_TMA: gl.constexpr):
@@ -164,13 +173,14 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
     ROPE: gl.constexpr = kp.shape[2]
     desc = tma.make_tensor_descriptor(c_ptr, [n_rows, KV_LORA + ROPE], [stride_cr, 1], [BLOCK_N, 64], kp.layout)
     nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
-    sched_ptr, len_ptr = slot_args
+    sched_ptr, len_ptr, m_blocks = slot_args
+    m_block, slot = _block_slot(m_blocks)
     if Q_TMA:  # q's rows as [B·Q·H, 512] and [B·Q·H, 64], descriptors made on the host
         q_desc, qp_desc, rows_per_seq, q_bar, q_smem, qp_smem = q_tma
-    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, gl.program_id(1), SPLIT, SCHEDULE_ROW)
+    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
     if Q_TMA:
         if seq >= 0:
-            q_row = seq * rows_per_seq + gl.program_id(0) * q_smem.shape[0]
+            q_row = seq * rows_per_seq + m_block * q_smem.shape[0]
             mbarrier.expect(q_bar, 9 * nbytes)
             for j in gl.static_range(8):
                 tma.async_copy_global_to_shared(q_desc, [q_row, 64 * j], q_bar, q_smem.slice(64 * j, 64, dim=1))
@@ -271,9 +281,8 @@ def _consumer(ctx, out_args, slot_args, qk_scale, HALF_IDX: gl.constexpr, SPLIT:
     q_ctx, bar_m, sm, sl, bar_q, bar_p0 = ctx
     q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty = q_ctx
     o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads = out_args
-    sched_ptr, len_ptr = slot_args
-    m_block = gl.program_id(0)
-    slot = gl.program_id(1)
+    sched_ptr, len_ptr, m_blocks = slot_args
+    m_block, slot = _block_slot(m_blocks)
     seq, seq_len, start, end, n, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
     direct = n == 1
     BLOCK_M: gl.constexpr = q_smem.shape[0]
@@ -471,7 +480,7 @@ def _seesaw_barriers():
 def _mla_decode_ws_kernel(
     qn_ptr, qp_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sched_ptr,
     stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph, stride_cr, stride_bt,
-    n_new, heads, page_size, n_rows, qk_scale, q_desc, qp_desc,
+    n_new, heads, page_size, n_rows, qk_scale, q_desc, qp_desc, m_blocks,
     SPLIT: gl.constexpr, SCHEDULE_ROW: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, USE_PDL: gl.constexpr = False,
     LATE_TRIGGER: gl.constexpr = False, T1_AFTER_T0: gl.constexpr = False, Q_TMA: gl.constexpr = False,
@@ -500,7 +509,7 @@ def _mla_decode_ws_kernel(
     ctx = ((q_args, q_bar, q_smem, qp_smem, kc, kp, ready, empty), bar_m, sm, sl, bar_q, bar_p0)
     q_tma = (q_desc, qp_desc, n_new * heads, q_bar, q_smem, qp_smem)
     out_args = (o_ptr, lse_ptr, po_ptr, pl_ptr, n_new, heads)
-    slot_args = (sched_ptr, len_ptr)
+    slot_args = (sched_ptr, len_ptr, m_blocks)
     gl.warp_specialize([
         (_consumer_default, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, Q_TMA)),
         (_consumer_worker, (ctx, out_args, slot_args, qk_scale, SPLIT, SCHEDULE_ROW, Q_TMA)),
@@ -554,10 +563,10 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
         rows = batch * n_new * heads
         q_descs = (TensorDescriptor(q_nope, [rows, 512], [q_nope.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT),
                    TensorDescriptor(q_pe, [rows, 64], [q_pe.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT))
-    _mla_decode_ws_kernel[(m_blocks, slots)](
+    _mla_decode_ws_kernel[(m_blocks * slots,)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
-        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, *q_descs,
+        n_new, heads, cache.shape[1], cache.shape[0] * cache.shape[1], qk_scale, *q_descs, m_blocks,
         SPLIT=slots > batch, SCHEDULE_ROW=ROW, KV_LORA=512, ROPE=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CONSUMER_REGS=CONSUMER_REGS, USE_PDL=pdl, LATE_TRIGGER=merge_pdl,
         T1_AFTER_T0=m_blocks * slots <= sm_count(cache.device), Q_TMA=q_descs[0] is not None,
