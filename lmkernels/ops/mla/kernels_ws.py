@@ -551,9 +551,9 @@ def _q_rows_uniform(q_nope, q_pe):
 
 def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched, qk_scale, slots,
                   pdl=False, merge_pdl=False):
-    """Launch over (m-blocks of 64 rows, slots); as kernels._mla_decode_kernel: o/lse the final output, part_o/part_l
-    [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the merge kernel and sched the schedule
-    (schedule.py; slots > batch only)."""
+    """Launch m-blocks of 64 rows × slots programs (one grid axis, _block_slot); as kernels._mla_decode_kernel:
+    o/lse the final output, part_o/part_l [slots, Q, H, 512] (q's dtype) / [slots, Q, H] (fp32) the partials for the
+    merge kernel and sched the schedule (schedule.py; slots > batch only)."""
     batch, n_new, heads, _ = q_nope.shape
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     q_descs = (None, None)
