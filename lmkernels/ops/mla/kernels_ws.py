@@ -175,10 +175,9 @@ def _loader(c_ptr, bt_ptr, stride_bt, kc, kp, ready, empty, slot_args, n_rows, p
     nbytes: gl.constexpr = BLOCK_N * 64 * c_ptr.dtype.element_ty.primitive_bitwidth // 8
     sched_ptr, len_ptr, m_blocks = slot_args
     m_block, slot = _block_slot(m_blocks)
+    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
     if Q_TMA:  # q's rows as [B·Q·H, 512] and [B·Q·H, 64], descriptors made on the host
         q_desc, qp_desc, rows_per_seq, q_bar, q_smem, qp_smem = q_tma
-    seq, seq_len, start, end, _, _ = _slot_chunk(sched_ptr, len_ptr, slot, SPLIT, SCHEDULE_ROW)
-    if Q_TMA:
         if seq >= 0:
             q_row = seq * rows_per_seq + m_block * q_smem.shape[0]
             mbarrier.expect(q_bar, 9 * nbytes)
