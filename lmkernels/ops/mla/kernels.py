@@ -53,7 +53,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 FP8_MAX = tl.constexpr(448.0)
 KV_LORA = 512
 ROPE = 64
-LATENT = 576
 N_SCALES = 5
 
 
