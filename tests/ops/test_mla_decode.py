@@ -288,6 +288,22 @@ def test_warp_specialised_kernel_compiles_for_hopper():
         assert r["smem_kb"] <= 227 and r["stack"] < 256 and r["div"] <= 2 * 2 and r["vote"] == 2 * 2, r
 
 
+def test_q_by_tma_only_where_rows_share_one_stride():
+    """The 64-row kernel's loader brings q by TMA as [B·Q·H, 512] / [B·Q·H, 64] rows of one 16-byte-aligned stride;
+    any other layout must go through the consumers' loads, or the TMA boxes would read other rows."""
+    rows_uniform = kernels_ws._q_rows_uniform
+    b, q, h = 3, 2, 16
+    qn, qp = (torch.randn(b, q, h, d, dtype=torch.bfloat16) for d in (512, 64))
+    assert rows_uniform(qn, qp)
+    fused = torch.randn(b, q, h, 576, dtype=torch.bfloat16)  # views of one [.., 576] row: 1,152 bytes apart
+    assert rows_uniform(fused[..., :512], fused[..., 512:])
+    assert not rows_uniform(qn.transpose(1, 2).contiguous().transpose(1, 2), qp)  # heads outside tokens
+    assert not rows_uniform(torch.randn(b, q + 1, h, 512, dtype=torch.bfloat16)[:, :q], qp)  # a gap between sequences
+    assert not rows_uniform(torch.randn(b, q, h, 516, dtype=torch.bfloat16)[..., :512], qp)  # rows 1,032 bytes apart
+    assert not rows_uniform(torch.randn(b * q * h * 512 + 1, dtype=torch.bfloat16)[1:].view(b, q, h, 512), qp)
+    assert not rows_uniform(qn, torch.randn(b, q, h, 64, 2, dtype=torch.bfloat16)[..., 0])  # columns 4 bytes apart
+
+
 @pytest.mark.skipif(not kernels_ws.triton_ok(), reason="the Gluon kernel runs only on the triton it was checked with")
 def test_few_rows_kernel_compiles_for_hopper():
     """The few-rows Gluon kernel (16 rows; GPU-checked by `lmkernels check`) builds for sm_90, one chunk a program
