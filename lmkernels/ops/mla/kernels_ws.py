@@ -32,6 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..._utils import gdc_launch_dependents, gdc_wait, sm_count
 from .schedule import ROW
@@ -39,7 +40,7 @@ from .schedule import ROW
 BLOCK_M = 64
 BLOCK_N = 64  # keys per tile, = the k_pe width: the k_pe slot takes P [BLOCK_M, BLOCK_N]
 PIECES = gl.constexpr(9)  # a tile as 64-column pieces: c_kv 0–7, k_pe 8 (one TMA message and one ready barrier each)
-T1_AFTER_PIECE = gl.constexpr(3)  # _loader's T1_AFTER_T0 (NOTES, issue 6, ap-2: piece 3 or 8 alike)
+T1_AFTER_PIECE = gl.constexpr(3)  # _loader's T1_AFTER_T0 (NOTES, issue 6: ap-2; piece 8 1.6–3% slower, aq-6)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -521,8 +522,6 @@ def _mla_decode_ws_kernel(
 # register file; the loader keeps 24, so each consumer warpgroup gets (3 · MAXNREG − 24) / 2 = 240
 MAXNREG = 168
 CONSUMER_REGS = 240
-# q's pieces in shared memory (made once: a layout takes ~8 µs of host time to build, kernels_few._PIECE_LAYOUTS)
-_Q_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 # Gluon is experimental and its API moves between releases: the kernel runs only on the triton it was built and
@@ -557,11 +556,11 @@ def mla_decode_ws(q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, p
     m_blocks = triton.cdiv(n_new * heads, BLOCK_M)
     q_descs = (None, None)
     if _q_rows_uniform(q_nope, q_pe):  # q by the loader's TMA (NOTES, issue 6, ap-9)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from .kernels_few import _PIECE_LAYOUTS  # (kernels_few imports this module)
 
         rows = batch * n_new * heads
-        q_descs = (TensorDescriptor(q_nope, [rows, 512], [q_nope.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT),
-                   TensorDescriptor(q_pe, [rows, 64], [q_pe.stride(2), 1], [BLOCK_M, 64], _Q_LAYOUT))
+        q_descs = (TensorDescriptor(q_nope, [rows, 512], [q_nope.stride(2), 1], [BLOCK_M, 64], _PIECE_LAYOUTS[64]),
+                   TensorDescriptor(q_pe, [rows, 64], [q_pe.stride(2), 1], [BLOCK_M, 64], _PIECE_LAYOUTS[64]))
     _mla_decode_ws_kernel[(m_blocks * slots,)](
         q_nope, q_pe, cache, block_tables, seq_lens, o, lse, part_o, part_l, sched,
         *q_nope.stride()[:3], *q_pe.stride()[:3], cache.stride(1), block_tables.stride(0),
